@@ -1,0 +1,88 @@
+"""Evaluation metrics as in the paper: pass@k, pass^k, and their averages over k = 1..4.
+
+With n samples per task of which c succeed:
+
+    >>> round(pass_at_k(4, 1, 2), 4), round(pass_hat_k(4, 3, 2), 4)
+    (0.5, 0.5)
+    >>> s = summarize([[True, True, False, False], [False] * 4])
+    >>> s["pass@1"], s["pass@4"], round(s["pass^2"], 2)
+    (25.0, 50.0, 8.33)
+"""
+from __future__ import annotations
+
+from math import comb
+
+K_MAX = 4  # the paper reports k = 1..4 with n = 4 samples per task
+COLUMNS = (("p@1", "p@1"), ("avg_p@k", "avg p@k"), ("avg_p^k", "avg p^k")) + tuple(
+    (f"pass@{k}", f"pass@{k}") for k in range(1, K_MAX + 1)) + tuple(
+    (f"pass^{k}", f"pass^{k}") for k in range(1, K_MAX + 1))  # Table 1 columns, then Table 3's
+
+
+def _check(n: int, c: int, k: int) -> None:
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Chance that at least one of k samples drawn without replacement from the n succeeds:
+    pass@k = 1 - C(n - c, k) / C(n, k)."""
+    _check(n, c, k)
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def pass_hat_k(n: int, c: int, k: int) -> float:
+    """Chance that all k samples drawn without replacement from the n succeed ("pass^k"):
+    pass^k = C(c, k) / C(n, k)."""
+    _check(n, c, k)
+    return comb(c, k) / comb(n, k)
+
+
+def mean_over_k(values: list[float]) -> float:
+    """avg p@k = mean of pass@1..pass@k_max (likewise avg p^k from pass^1..pass^k_max).
+
+    >>> round(mean_over_k([35.33, 40.00, 41.33, 43.33]), 2)   # GRPO Navigation, Table 1
+    40.0
+    """
+    if not values:
+        raise ValueError("need at least one value")
+    return sum(values) / len(values)
+
+
+def summarize(successes: list[list[bool]], k_max: int = K_MAX) -> dict[str, float]:
+    """Metrics in percent, averaged over tasks. successes[task] = the n sample outcomes (n >= k_max,
+    the same n for every task). Keys: pass@1..pass@k_max, pass^1..pass^k_max, p@1 (= pass@1),
+    avg_p@k, avg_p^k."""
+    if not successes:
+        raise ValueError("no tasks to summarize")
+    n = len(successes[0])
+    if any(len(s) != n for s in successes):
+        raise ValueError(f"every task needs the same number of samples; got {sorted({len(s) for s in successes})}")
+    if not 1 <= k_max <= n:
+        raise ValueError(f"need 1 <= k_max <= n samples per task; got k_max={k_max} n={n}")
+    counts = [sum(bool(x) for x in s) for s in successes]
+    out = {}
+    for name, fn in (("pass@", pass_at_k), ("pass^", pass_hat_k)):
+        for k in range(1, k_max + 1):
+            out[f"{name}{k}"] = 100.0 * sum(fn(n, c, k) for c in counts) / len(counts)
+    out["p@1"] = out["pass@1"]
+    out["avg_p@k"] = mean_over_k([out[f"pass@{k}"] for k in range(1, k_max + 1)])
+    out["avg_p^k"] = mean_over_k([out[f"pass^{k}"] for k in range(1, k_max + 1)])
+    return out
+
+
+def format_table(rows: dict[str, dict[str, float]]) -> str:
+    """Markdown table, one row per method, in the paper's column order (p@1, avg p@k, avg p^k,
+    then pass@1..4, pass^1..4); only columns some row has; 2 decimals, '-' where missing.
+
+    >>> print(format_table({"GRPO": {"p@1": 35.333, "avg_p@k": 40.0}}))
+    | method | p@1 | avg p@k |
+    | --- | --- | --- |
+    | GRPO | 35.33 | 40.00 |
+    """
+    cols = [(key, head) for key, head in COLUMNS if any(key in r for r in rows.values())]
+    lines = ["| method | " + " | ".join(h for _, h in cols) + " |",
+             "| --- | " + " | ".join("---" for _ in cols) + " |"]
+    for method, r in rows.items():
+        cells = [f"{r[key]:.2f}" if key in r else "-" for key, _ in cols]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

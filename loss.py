@@ -1,0 +1,273 @@
+"""RTI loss: group advantages, importance ratios, calibrated token weights, clipped surrogate,
+aggregation. Pure tensor functions; imports torch only (no model, no env).
+
+Shapes: B rows (trajectories) x T token positions. logp, old_logp, behavior_logp, ref_logp,
+source, loss_mask are [B, T]; advantages [B] (one per row) or [B, T].
+  loss_mask  1 on tokens the agent produced (trained), 0 on prompt / environment / padding.
+  source     POLICY (0) or INTERVENED (1): who wrote the token (policy, or the corrector).
+  old_logp   log pi_old of each token, scored by the policy WITHOUT the rubric in context.
+  behavior_logp  log mu: the corrector's log-prob when it wrote the token (rubric in context).
+Formulas marked "our reading" are not printed in the RTI paper (see DESIGN.md section 3).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+POLICY, INTERVENED = 0, 1
+IS_MODES = ("calibrated", "behavior", "luffy")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+RATIO_LEVELS = ("token", "sequence")
+LOG_RATIO_CLAMP = 20.0  # as verl: |log ratio| <= 20 keeps exp() finite, so backward never sees inf
+
+
+@dataclass
+class LossConfig:
+    """Flags of policy_loss. w_min / w_max / luffy_gamma defaults are our choice (the paper
+    prints none for the weights); __post_init__ raises ValueError naming a bad field."""
+    clip_low: float = 0.2        # eps_lo; DAPO-style asymmetric clip, as DESIGN.md section 3
+    clip_high: float = 0.28      # eps_hi
+    is_mode: str = "calibrated"  # "calibrated" | "behavior" | "luffy": ratio of INTERVENED tokens
+    reweight: bool = True        # False = the paper's "w/o reweight" ablation: w_t = 1
+    w_min: float = 0.2
+    w_max: float = 3.0
+    luffy_gamma: float = 0.1
+    kl_coef: float = 0.0         # k3 KL to a reference policy
+    agg: str = "token-mean"      # "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum-norm"
+    ratio_level: str = "token"   # "token" (GRPO/PPO) | "sequence" (GSPO)
+    max_len: int | None = None   # normaliser of seq-mean-token-sum-norm; None = T of the batch
+
+    def __post_init__(self):
+        for name, choices in (("is_mode", IS_MODES), ("agg", AGG_MODES), ("ratio_level", RATIO_LEVELS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"LossConfig.{name}={getattr(self, name)!r}; valid choices: {choices}")
+        checks = (("clip_low", 0 <= self.clip_low <= 1, "must be in [0, 1]"),
+                  ("clip_high", 0 <= self.clip_high < math.inf, "must be finite and >= 0"),
+                  ("reweight", isinstance(self.reweight, bool), "must be a bool"),
+                  ("w_min", 0 <= self.w_min < math.inf, "must be finite and >= 0"),
+                  ("w_max", self.w_max >= self.w_min, "must be >= w_min (inf allowed)"),
+                  ("luffy_gamma", 0 < self.luffy_gamma < math.inf, "must be finite and > 0"),
+                  ("kl_coef", 0 <= self.kl_coef < math.inf, "must be finite and >= 0"),
+                  ("max_len", self.max_len is None or self.max_len >= 1, "must be None or >= 1"))
+        for name, ok, why in checks:  # NaN fails every comparison, so it is rejected too
+            if not ok:
+                raise ValueError(f"LossConfig.{name}={getattr(self, name)!r} {why}")
+
+
+def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, scale: bool = True) -> Tensor:
+    """A_i = (r_i - mean_g) / (std_g + eps) over the group g of trajectory i (GRPO);
+    scale=False gives A_i = r_i - mean_g (Dr. GRPO). std_g is the UNBIASED std (Bessel, n-1),
+    as torch.std, TRL and verl. A zero-spread group (all rewards equal, or group_size 1) gives
+    exactly 0 for all its members: it teaches nothing.
+
+    rewards [N], N = num_groups * group_size, laid out group by group. Example, G=4:
+      rewards [1, 0, 0, 0, 0, 0, 0, 0] -> mean .25, std .5 | zero spread
+      A       [1.5, -.5, -.5, -.5, 0, 0, 0, 0]             (eps=0)
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}")
+    if not torch.isfinite(rewards).all():
+        raise ValueError("rewards contains NaN or inf")
+    r = rewards.detach().view(-1, group_size)
+    r = r if r.is_floating_point() else r.float()
+    adv = r - r.mean(-1, keepdim=True)
+    if scale and group_size > 1:
+        adv = adv / (r.std(-1, keepdim=True) + eps)
+    zero_spread = (r.amax(-1, keepdim=True) == r.amin(-1, keepdim=True))
+    return torch.where(zero_spread, torch.zeros_like(adv), adv).view(-1)
+
+
+def token_weights(behavior_logp: Tensor, old_logp: Tensor, intervened_mask: Tensor,
+                  w_min: float = 0.2, w_max: float = 3.0) -> Tensor:
+    """Calibrated token weights (our reading), detached, [B, T]:
+      delta_t = log mu_t - log pi_old_t
+      w_t = clip(exp(delta_t) / mean_{s in I_i} exp(delta_s), w_min, w_max)  for t in I_i
+      w_t = 1                                                                  elsewhere
+    I_i = the intervened tokens of row i (pass source == INTERVENED and loss_mask). Tokens the
+    rubric-conditioned corrector made much likelier than the policy would (large shift) are
+    the ones that changed the trajectory's direction: they get more weight. The mean is taken
+    in log space: w_t = exp(delta_t - logsumexp_I(delta) + log |I|), safe for any delta.
+    Rows with no intervened token are all ones. Example (w_min .2, w_max 3):
+      exp(delta) on I = [1, 3] -> mean 2 -> w = [0.5, 1.5]; on policy tokens w = 1.
+    """
+    with torch.no_grad():
+        inter = intervened_mask.bool()
+        delta = torch.where(inter, behavior_logp - old_logp, torch.full_like(old_logp, -math.inf))
+        n = inter.sum(-1, keepdim=True)
+        lse = torch.logsumexp(delta, -1, keepdim=True)
+        lse = torch.where(n > 0, lse, torch.zeros_like(lse))  # empty rows: no -inf - -inf
+        w = torch.exp(delta - lse + torch.log(n.clamp(min=1).to(delta.dtype))).clamp(w_min, w_max)
+        return torch.where(inter, w, torch.ones_like(w))
+
+
+def importance_ratios(logp: Tensor, old_logp: Tensor, source: Tensor | None = None,
+                      behavior_logp: Tensor | None = None, config: LossConfig = LossConfig(),
+                      loss_mask: Tensor | None = None) -> Tensor:
+    """Per-token ratio rho_t used in the surrogate, [B, T] (token weights NOT included).
+      anchor_t = log mu_t      if is_mode == "behavior" and t is INTERVENED  (naive ratio pi/mu)
+               = log pi_old_t  otherwise (policy tokens; "calibrated" intervened tokens, our
+                 reading: anchored on the policy's own no-rubric prob, so rho_t starts at 1)
+      l_t = clamp(logp_t - anchor_t, -20, 20)
+      token level:     rho_t = exp(l_t)
+      sequence (GSPO): s_i = exp(sum_t m_t l_t / sum_t m_t),  rho_t = sg(s_i) * exp(logp_t - sg(logp_t))
+                       (value s_i for every token of row i, gradient per token; m = loss_mask)
+      is_mode "luffy", INTERVENED tokens: rho_t := f_t = p_t / (p_t + gamma), p_t = exp(logp_t),
+                       computed as sigmoid(logp_t - log gamma); the surrogate uses it unclipped.
+    source None = all POLICY; behavior_logp None = zeros (a deterministic corrector, log mu = 0);
+    loss_mask None = all trained (only the sequence level uses it).
+    """
+    inter = torch.zeros_like(logp, dtype=torch.bool) if source is None else source == INTERVENED
+    anchor = old_logp.detach()
+    if config.is_mode == "behavior":
+        beh = torch.zeros_like(logp) if behavior_logp is None else behavior_logp.detach()
+        anchor = torch.where(inter, beh, anchor)
+    log_ratio = (logp - anchor).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    if config.ratio_level == "token":
+        rho = torch.exp(log_ratio)
+    else:
+        m = torch.ones_like(logp) if loss_mask is None else loss_mask.to(logp.dtype)
+        log_s = torch.where(m != 0, log_ratio, 0.0).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        rho = torch.exp(log_s.detach() + (logp - logp.detach()))  # value exactly s_i
+    if config.is_mode == "luffy":
+        rho = torch.where(inter, torch.sigmoid(logp - math.log(config.luffy_gamma)), rho)
+    return rho
+
+
+def aggregate(loss_mat: Tensor, loss_mask: Tensor, mode: str = "token-mean", max_len: int | None = None) -> Tensor:
+    """Reduce a [B, T] per-token loss to a scalar (verl's agg_loss). m = loss_mask, L = loss_mat.
+      token-mean:              sum_it m L / sum_it m
+      seq-mean-token-mean:     mean over rows with sum_t m > 0 of (sum_t m L / sum_t m)
+      seq-mean-token-sum-norm: sum_it m L / (B * max_len), max_len default T (Dr. GRPO; B counts
+                               every row: the normaliser is a constant by design)
+    Rows with no trained token contribute nothing; a batch with none gives 0 (keeping grad_fn).
+    Example: L = [[1, 2, 3], [4, 5, 6]], m = [[1, 1, 0], [1, 0, 0]]:
+      token-mean 7/3, seq-mean-token-mean (1.5 + 4)/2 = 2.75, seq-mean-token-sum-norm 7/6.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown aggregation mode {mode!r}; valid choices: {AGG_MODES}")
+    if loss_mat.shape != loss_mask.shape:
+        raise ValueError(f"loss_mat has shape {tuple(loss_mat.shape)} but loss_mask has shape {tuple(loss_mask.shape)}")
+    m = loss_mask.to(loss_mat.dtype)
+    masked = torch.where(m != 0, loss_mat * m, torch.zeros_like(loss_mat))  # masked inf/NaN never leak
+    if mode == "token-mean":
+        return masked.sum() / m.sum().clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        n = m.sum(-1)
+        row_mean = masked.sum(-1) / n.clamp(min=1)
+        return (row_mean * (n > 0)).sum() / (n > 0).sum().clamp(min=1)
+    T = loss_mat.shape[-1] if max_len is None else max_len
+    return masked.sum() / (loss_mat.shape[0] * T)
+
+
+def _validate(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_logp, config):
+    if not isinstance(config, LossConfig):
+        raise ValueError(f"config must be a LossConfig, got {type(config).__name__}")
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be 2-D [B, T], got shape {tuple(logp.shape)}")
+    named = {"old_logp": old_logp, "loss_mask": loss_mask, "source": source,
+             "behavior_logp": behavior_logp, "ref_logp": ref_logp}
+    for name, t in named.items():
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"logp has shape {tuple(logp.shape)} but {name} has shape {tuple(t.shape)}")
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)} but logp has shape "
+                         f"{tuple(logp.shape)}; expected {tuple(logp.shape[:1])} or {tuple(logp.shape)}")
+    if not ((loss_mask == 0) | (loss_mask == 1)).all():
+        raise ValueError("loss_mask must hold only 0 and 1 (or bool)")
+    if source is not None and not ((source == POLICY) | (source == INTERVENED)).all():
+        raise ValueError(f"source must hold only POLICY={POLICY} and INTERVENED={INTERVENED}")
+    if config.kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"ref_logp is required when kl_coef > 0 (kl_coef={config.kl_coef})")
+    if not torch.isfinite(advantages).all():
+        raise ValueError("advantages contains NaN or inf")
+    trained = loss_mask != 0
+    for name, t in {"logp": logp, "old_logp": old_logp, "behavior_logp": behavior_logp, "ref_logp": ref_logp}.items():
+        if t is None:
+            continue
+        if torch.isnan(t).any() or (t == math.inf).any():
+            raise ValueError(f"{name} contains NaN or +inf")
+        if (trained & (t == -math.inf)).any():
+            raise ValueError(f"{name} contains -inf at a trained position (loss_mask = 1)")
+
+
+def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
+                source: Tensor | None = None, behavior_logp: Tensor | None = None,
+                ref_logp: Tensor | None = None, config: LossConfig = LossConfig()) -> tuple[Tensor, dict[str, float]]:
+    """Clipped surrogate with calibrated importance weights; returns (scalar loss, metrics).
+      loss_t = -w_t * min(rho_t A, clip(rho_t, 1 - clip_low, 1 + clip_high) A)   (rho_t, f_t from
+               importance_ratios; w_t from token_weights on INTERVENED tokens when is_mode is
+               "calibrated" and reweight, else 1. w_t > 0 sits outside the min: the clip decision
+               is made on rho_t alone, w_t scales the token's update; this is our reading of
+               DESIGN's "weighted ratio rho~ = rho * w")
+      loss_t = -f_t A                    INTERVENED tokens under is_mode "luffy" (no clip, w = 1)
+      loss_t += kl_coef * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)   k3 KL, when kl_coef > 0
+      loss = aggregate(loss_t, loss_mask, config.agg, config.max_len)
+    Example, 1x3, A = 1, source [P, I, I], rho [1.5, 1.0, 0.9], exp(delta) on I [1, 3]:
+      w [1, .5, 1.5]; loss_t [-1.28, -0.5, -1.35]; token-mean -1.0433.
+    Inputs: see the module docstring. NaN and +inf are rejected everywhere, -inf is allowed only
+    where loss_mask is 0 (ValueError naming the tensor); masked positions are replaced by 0 before
+    any arithmetic, so their logp gradient is exactly 0. old/behavior/ref/advantages are detached.
+    Metrics (python floats, over trained tokens): clip_frac (clip active for the sign of A:
+    A > 0 and rho > 1 + clip_high, or A < 0 and rho < 1 - clip_low), ratio_min/mean/max (tokens
+    with a clipped surrogate, i.e. not luffy ones; 1.0 if none), naive_ratio_out_of_clip
+    (trained INTERVENED tokens whose exp(logp - log mu) lies outside [1 - clip_low, 1 + clip_high];
+    0.0 if none), weight_mean/max (w_t on trained INTERVENED tokens; 1.0 if none), approx_kl
+    (k3 estimate of KL(pi_old || pi_theta): mean of exp(l) - 1 - l, l = logp - old_logp),
+    ref_kl (mean k3 to the reference; 0.0 without ref_logp), intervened_frac.
+    """
+    _validate(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_logp, config)
+    trained = loss_mask != 0
+    zeros = torch.zeros_like(logp)
+    clean = lambda t: torch.where(trained, t.detach().to(logp.dtype), zeros)  # noqa: E731
+    logp = torch.where(trained, logp, zeros)  # grad 0 at masked positions, no NaN from -inf there
+    old = clean(old_logp)
+    beh = zeros if behavior_logp is None else clean(behavior_logp)
+    src = torch.full_like(logp, POLICY, dtype=torch.long) if source is None else source.long()
+    inter = (src == INTERVENED) & trained
+    adv = advantages.detach().to(logp.dtype)
+    adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
+
+    rho = importance_ratios(logp, old, src, beh, config, loss_mask=trained)
+    if config.is_mode == "calibrated" and config.reweight:
+        w = token_weights(beh, old, inter, config.w_min, config.w_max)
+    else:
+        w = torch.ones_like(logp)
+    rho_clip = rho.clamp(1 - config.clip_low, 1 + config.clip_high)
+    loss_mat = -w * torch.minimum(rho * adv, rho_clip * adv)
+    luffy = inter & (config.is_mode == "luffy")
+    loss_mat = torch.where(luffy, -rho * adv, loss_mat)
+    if ref_logp is not None:
+        d = (clean(ref_logp) - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        ref_kl = torch.exp(d) - d - 1
+        if config.kl_coef > 0:
+            loss_mat = loss_mat + config.kl_coef * ref_kl
+    loss = aggregate(loss_mat, trained, config.agg, config.max_len)
+
+    with torch.no_grad():
+        n = trained.sum().clamp(min=1).item()
+        def mean(x, sel, empty):
+            return x[sel].mean().item() if sel.any() else empty
+        clipped = ((adv > 0) & (rho > 1 + config.clip_high)) | ((adv < 0) & (rho < 1 - config.clip_low))
+        ratio_tok = trained & ~luffy
+        naive = (logp - beh)[inter]  # log of the naive ratio pi_theta / mu
+        lo = math.log(1 - config.clip_low) if config.clip_low < 1 else -math.inf
+        out = (naive < lo) | (naive > math.log(1 + config.clip_high))
+        lr = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        metrics = {
+            "clip_frac": (clipped & ratio_tok).sum().item() / n,
+            "ratio_min": rho[ratio_tok].min().item() if ratio_tok.any() else 1.0,
+            "ratio_mean": mean(rho, ratio_tok, 1.0),
+            "ratio_max": rho[ratio_tok].max().item() if ratio_tok.any() else 1.0,
+            "naive_ratio_out_of_clip": out.double().mean().item() if out.numel() else 0.0,
+            "weight_mean": mean(w, inter, 1.0),
+            "weight_max": w[inter].max().item() if inter.any() else 1.0,
+            "approx_kl": mean(torch.exp(lr) - 1 - lr, trained, 0.0),
+            "ref_kl": mean(ref_kl, trained, 0.0) if ref_logp is not None else 0.0,
+            "intervened_frac": inter.sum().item() / n,
+        }
+    return loss, metrics

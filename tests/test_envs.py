@@ -1,0 +1,359 @@
+"""Tests for envs.py: splits, rubric, step checks, robustness, replay, JSONL, vocabulary, render."""
+import json
+import random
+from collections import deque
+from dataclasses import asdict
+
+import pytest
+
+from envs import (ACTIONS, RUBRIC_ITEMS, RULES, SPLITS, NavTask, Navigation, load_tasks, make_tasks,
+                  optimal_actions, render, replay, save_tasks)
+
+STEP = {"move up": (-1, 0), "move down": (1, 0), "move left": (0, -1), "move right": (0, 1)}
+REVERSE = {"move up": "move down", "move down": "move up", "move left": "move right", "move right": "move left"}
+
+
+@pytest.fixture(scope="module")
+def splits():
+    return {name: make_tasks(name) for name in SPLITS}
+
+
+def ref_dist(task, goal):
+    """Independent BFS (not envs.bfs_distances): moves from each cell to `goal`."""
+    walls = {tuple(w) for w in task.walls}
+    dist, q = {tuple(goal): 0}, deque([tuple(goal)])
+    while q:
+        r, c = q.popleft()
+        for dr, dc in STEP.values():
+            n = (r + dr, c + dc)
+            if 0 <= n[0] < task.height and 0 <= n[1] < task.width and n not in walls and n not in dist:
+                dist[n] = dist[(r, c)] + 1
+                q.append(n)
+    return dist
+
+
+def free(task, pos, a):
+    r, c = pos[0] + STEP[a][0], pos[1] + STEP[a][1]
+    return 0 <= r < task.height and 0 <= c < task.width and [r, c] not in task.walls
+
+
+def positions(task, actions):
+    """Positions before each action, computed without envs (actions assumed legal)."""
+    pos, out = tuple(task.start), []
+    for a in actions:
+        out.append(pos)
+        if a in STEP and free(task, pos, a):
+            pos = (pos[0] + STEP[a][0], pos[1] + STEP[a][1])
+    return out
+
+
+def items(task, actions):
+    return replay(task, actions).score().items
+
+
+ALL_PASS = dict.fromkeys(RUBRIC_ITEMS, True)
+
+
+# ----------------------------------------------------------------------------- splits
+
+def test_same_seed_same_tasks_and_prefix():
+    a, b = make_tasks("test"), make_tasks("test")
+    assert [asdict(t) for t in a] == [asdict(t) for t in b]
+    assert [asdict(t) for t in make_tasks("test", n=10)] == [asdict(t) for t in a[:10]]
+    assert [asdict(t) for t in make_tasks("test", n=10, seed=99)] != [asdict(t) for t in a[:10]]
+    assert a[7].task_id == "test-0007"
+    with pytest.raises(ValueError):
+        make_tasks("nope")
+
+
+def test_train_and_test_do_not_overlap(splits):
+    key = lambda t: json.dumps({k: v for k, v in asdict(t).items() if k != "task_id"})
+    assert not {key(t) for t in splits["train"]} & {key(t) for t in splits["test"]}
+
+
+def test_every_task_solvable_and_optimal_passes(splits):
+    for name, tasks in splits.items():
+        spec = SPLITS[name]
+        assert len(tasks) == spec.n
+        for t in tasks:
+            assert (t.height, t.width) == (spec.height, spec.width)
+            assert spec.k_min <= len(t.waypoints) <= spec.k_max
+            assert len(t.walls) == round(spec.density * t.height * t.width)
+            points = [t.start] + t.waypoints
+            legs = [ref_dist(t, b).get(tuple(a)) for a, b in zip(points, points[1:])]
+            assert None not in legs, t.task_id
+            acts = optimal_actions(t)
+            assert len(acts) == sum(legs) + 1 and acts[-1] == "finish"  # shortest, then finish
+            assert t.max_turns == len(acts) + spec.slack
+            assert items(t, acts) == ALL_PASS, t.task_id
+
+
+def test_optimal_moves_break_ties_in_action_order(splits):
+    for t in splits["test"][:30] + splits["easy"][:30]:
+        acts, pos, nxt = optimal_actions(t), tuple(t.start), 0
+        for a in acts[:-1]:
+            d = ref_dist(t, t.waypoints[nxt])
+            shortest = [b for b in ACTIONS[:4] if free(t, pos, b)
+                        and d[(pos[0] + STEP[b][0], pos[1] + STEP[b][1])] == d[pos] - 1]
+            assert a == shortest[0]
+            pos = (pos[0] + STEP[a][0], pos[1] + STEP[a][1])
+            nxt += list(pos) == t.waypoints[nxt]
+        assert nxt == len(t.waypoints) and list(pos) == t.waypoints[-1]
+
+
+# ----------------------------------------------------------------------------- rubric
+
+def find_wall_move(task, acts):
+    for i, pos in enumerate(positions(task, acts)):
+        for a in STEP:
+            if not free(task, pos, a):
+                return i, a
+    raise AssertionError("no blocked neighbour on the path")
+
+
+def test_wall_hit_fails_only_no_wall_hits(splits):
+    for t in splits["test"][:20]:
+        acts = optimal_actions(t)
+        i, a = find_wall_move(t, acts)
+        got = items(t, acts[:i] + [a] + acts[i:])
+        assert got == {**ALL_PASS, "no_wall_hits": False}
+
+
+def test_missing_finish_fails_finish_items(splits):
+    for t in splits["test"][:20]:
+        got = items(t, optimal_actions(t)[:-1])
+        assert got == {**ALL_PASS, "finished_at_goal": False, "within_turn_limit": False}
+
+
+def test_finish_early_fails_waypoints_and_goal(splits):
+    for t in splits["test"][:20]:
+        acts = optimal_actions(t)
+        got = items(t, acts[: len(acts) // 2] + ["finish"])
+        assert got == {**ALL_PASS, "waypoints_in_order": False, "finished_at_goal": False}
+
+
+def test_detours_within_slack_pass_and_past_max_turns_fail(splits):
+    for t in splits["test"][:20]:
+        acts = optimal_actions(t)
+        a = next(a for a in STEP if free(t, t.start, a))
+        slack = t.max_turns - len(acts)
+        fits = [a, REVERSE[a]] * (slack // 2) + acts            # exactly max_turns turns
+        assert items(t, fits) == ALL_PASS
+        over = [a, REVERSE[a]] * (slack // 2 + 1) + acts        # 2 turns too many
+        env = replay(t, over)
+        assert env.done and env.turns == t.max_turns and env.observations[-1].endswith("out of turns")
+        got = env.score().items
+        assert got["within_turn_limit"] is False and got["finished_at_goal"] is False
+        assert got["no_wall_hits"] is True
+
+
+def test_malformed_action_is_not_a_wall_hit():
+    t = NavTask("t", 1, 3, [], [0, 0], [[0, 2]], 9)
+    env = replay(t, ["jump", "move right", "move right", "finish"])
+    assert env.observations[0].startswith("error unknown action pos 0 0")
+    assert env.score().items == ALL_PASS and env.turns == 4
+    env = replay(t, ["move up", "move right", "move right", "finish"])
+    assert env.observations[0].startswith("error off grid pos 0 0")
+    assert env.score().items["no_wall_hits"] is False
+
+
+# ----------------------------------------------------------------------------- step checks
+
+def checks_along(task, actions):
+    env, out = Navigation(task), []
+    for a in actions:
+        out.append(env.check_step(a))
+        env.step(a)
+    return out
+
+
+def detour_moves(task, acts):
+    """(index, move) pairs: a free move off every shortest path, tracked without envs."""
+    pos, nxt, out = tuple(task.start), 0, []
+    for i, a in enumerate(acts[:-1]):
+        d = ref_dist(task, task.waypoints[nxt])
+        out += [(i, b) for b in STEP if free(task, pos, b)
+                and d[(pos[0] + STEP[b][0], pos[1] + STEP[b][1])] != d[pos] - 1]
+        pos = (pos[0] + STEP[a][0], pos[1] + STEP[a][1])
+        nxt += list(pos) == task.waypoints[nxt]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["detour", "wall"])
+def test_step_check_flags_exactly_the_wrong_step(splits, kind):
+    for t in splits["test"][:10]:
+        acts = optimal_actions(t)
+        if kind == "detour":
+            cands = detour_moves(t, acts)
+            i, b = cands[len(cands) // 2]
+            script, rule = acts[:i] + [b, REVERSE[b]] + acts[i:], f"detour {b} is not on a shortest path ; next "
+        else:
+            i, b = find_wall_move(t, acts)
+            script, rule = acts[:i] + [b] + acts[i:], f"wall {b} "
+        res = checks_along(t, script)
+        assert [k for k, r in enumerate(res) if not r.valid] == [i]
+        assert res[i].reason.startswith(rule)
+        assert all(r.reason == "" for k, r in enumerate(res) if k != i)
+
+
+def test_step_check_rules():
+    #   0 1 2
+    # 0 S . .
+    # 1 . . #
+    # 2 A . B
+    t = NavTask("t", 3, 3, [[1, 2]], [0, 0], [[2, 0], [2, 2]], 9)
+    env = Navigation(t)
+    assert env.check_step("move up").reason == "wall move up leaves the grid ; next A 2 0 dir down"
+    assert env.check_step("move right").reason == "detour move right is not on a shortest path ; next A 2 0 dir down"
+    assert env.check_step("finish").reason == "early finish before visiting all waypoints ; next A 2 0 dir down"
+    assert env.check_step(" hop ").reason == "unknown action is not a valid tool call ; next A 2 0 dir down"
+    assert env.check_step("move down") == env.check_step(" move down\n") == env.check_step("move down")
+    assert env.check_step("move down").valid and env.hint() == "next A 2 0 dir down"
+    for a in ("move down", "move down"):
+        env.step(a)
+    assert env.hint() == "next B 2 2 dir right" and env.check_step("move up").reason.startswith("detour move up")
+    env.step("move right")
+    assert env.check_step("move up").reason.startswith("detour move up")
+    env.step("move right")
+    assert env.check_step("move up").reason == "wall move up hits a wall ; next finish dir finish"
+    assert env.check_step("move left").reason == "stop move left after visiting all waypoints ; next finish dir finish"
+    assert env.check_step("finish").valid and env.optimal_action() == "finish"
+    env.step("move left")  # wander off the goal: finishing there is early, coming back is the way
+    assert env.hint() == "next finish at B 2 2 dir right" and env.optimal_action() == "move right"
+    assert env.check_step("finish").reason == "early finish away from B ; next finish at B 2 2 dir right"
+    env.step("move right")
+    assert env.step("finish") == ("episode over pos 2 2 next finish blocked up down right", True)
+    assert env.score().items == ALL_PASS and env.turns == 7
+    assert env.check_step("finish").reason.startswith("over the episode is over ;")
+    assert env.step("move up") == ("error episode over pos 2 2 next finish blocked up down right", True)
+    assert env.turns == 7 and len(env.actions) == 7
+    away = ["move down", "move down", "move right", "move right", "move left", "finish"]
+    assert items(t, away) == {**ALL_PASS, "finished_at_goal": False}
+
+
+# ----------------------------------------------------------------------------- robustness, replay
+
+GARBAGE = ["", " ", "\n", "move", "move  up", "MOVE UP", "finish now", "move up finish", "ⓜove up",
+           "移动", "\x00", "🙂" * 50, "x" * 10000, "move upp", "up", "<hint>", "{\"tool\": \"move\"}"]
+
+
+def random_action(rng):
+    if rng.random() < 0.7:
+        a = rng.choice(ACTIONS[:4] * 6 + ACTIONS[4:])
+        return rng.choice([a, f" {a} ", f"{a}\n"]) if rng.random() < 0.1 else a
+    if rng.random() < 0.5:
+        return rng.choice(GARBAGE)
+    return "".join(chr(rng.randrange(0x20, 0x3000)) for _ in range(rng.randrange(0, 30)))
+
+
+def words_ok(text, vocab):
+    assert text and text == text.strip() and "  " not in text, repr(text)
+    bad = [w for w in text.split(" ") if w not in vocab]
+    assert not bad, (bad, text)
+
+
+def test_random_episodes_never_raise_and_stay_in_vocabulary(splits):
+    vocab = set(Navigation.vocabulary())
+    assert len(vocab) == len(Navigation.vocabulary())
+    assert {w for a in ACTIONS for w in a.split()} <= vocab
+    rng = random.Random(0)
+    tasks = splits["test"][:40] + splits["easy"][:40] + [NavTask("t", 1, 2, [], [0, 0], [[0, 1]], 3)]
+    n_steps = 0
+    for ep in range(300):
+        t = rng.choice(tasks)
+        env = Navigation(t)
+        words_ok(env.reset(), vocab)
+        words_ok(env.rubric_text(), vocab)
+        while True:
+            words_ok(env.hint(), vocab)
+            assert env.optimal_action() in ACTIONS
+            a = random_action(rng)
+            for probe in (a, rng.choice(GARBAGE), *ACTIONS):
+                r = env.check_step(probe)
+                assert r.valid == (r.reason == "")
+                if not r.valid:
+                    words_ok(r.reason, vocab)
+                    assert r.reason.split()[0] in RULES and " ; next " in r.reason
+                    assert r.reason.endswith(env.hint())
+            obs, done = env.step(a)
+            n_steps += 1
+            words_ok(obs, vocab)
+            assert done == env.done
+            if done:
+                words_ok(env.step(rng.choice(GARBAGE))[0], vocab)
+                break
+        assert env.turns <= t.max_turns and env.turns == len(env.actions)
+        s = env.score()
+        assert list(s.items) == list(RUBRIC_ITEMS) and 0 <= s.fraction <= 1
+    assert n_steps > 3000
+
+
+def test_replay_is_deterministic(splits):
+    rng = random.Random(1)
+    for t in splits["test"][:30]:
+        acts = [random_action(rng) for _ in range(rng.randrange(1, 60))]
+        a, b = replay(t, acts), replay(t, acts)
+        assert a.observations == b.observations and a.score() == b.score()
+        first = a.reset()
+        assert first == Navigation(t).reset() and a.turns == 0 and not a.done
+        assert [a.step(x)[0] for x in b.actions] == b.observations
+
+
+# ----------------------------------------------------------------------------- JSONL, render
+
+def test_jsonl_round_trip(tmp_path, splits):
+    p = tmp_path / "tasks.jsonl"
+    save_tasks(splits["test"][:5], p)
+    p.write_text(p.read_text() + "\n")  # a trailing blank line is fine
+    assert [asdict(t) for t in load_tasks(p)] == [asdict(t) for t in splits["test"][:5]]
+
+
+@pytest.mark.parametrize("change, why", [
+    (None, "Expecting"),                                   # not JSON
+    ({"drop": "max_turns"}, "missing"),
+    ({"height": "7"}, "height"),
+    ({"walls": [[0, 0, 1]]}, "walls"),
+    ({"waypoints": [[9, 0]]}, "outside"),
+    ({"start": [-1, 0]}, "outside"),
+    ("wall", "on a wall"),
+    ({"waypoints": []}, "waypoints"),
+])
+def test_bad_rows_name_file_and_line(tmp_path, change, why):
+    good = asdict(NavTask("g", 3, 3, [[1, 1]], [0, 0], [[2, 2]], 9))
+    bad = dict(good)
+    if change is None:
+        line = "{not json"
+    else:
+        if change == "wall":
+            bad["waypoints"] = [[1, 1]]
+        elif "drop" in change:
+            del bad[change["drop"]]
+        else:
+            bad.update(change)
+        line = json.dumps(bad)
+    p = tmp_path / "bad.jsonl"
+    p.write_text(json.dumps(good) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match=f"bad.jsonl:2: .*{why}"):
+        load_tasks(p)
+
+
+def test_render_shows_walls_waypoints_and_path(splits):
+    t = splits["test"][0]
+    acts = optimal_actions(t)
+    rows = [line.split(" ")[1:] for line in render(t, acts).splitlines()[1:]]
+    assert len(rows) == t.height and all(len(r) == t.width for r in rows)
+    for r in range(t.height):
+        for c in range(t.width):
+            want = "#" if [r, c] in t.walls else "S" if [r, c] == t.start else None
+            if [r, c] in t.waypoints:
+                want = "ABCDEF"[t.waypoints.index([r, c])]
+            on_path = (r, c) in positions(t, acts)
+            assert rows[r][c] == (want or ("*" if on_path else "."))
+    assert "*" not in render(t)
+    assert render(t, [list(p) for p in positions(t, acts)]) == render(t, acts)
+
+
+def test_docstring_examples():
+    import doctest
+    import envs
+    assert doctest.testmod(envs).failed == 0

@@ -1,0 +1,217 @@
+"""rti.py: token bookkeeping, KV-cached batched decoding, warm start, training steps, resume, flags, smoke run."""
+import json
+import random
+
+import pytest
+import torch
+
+import envs
+import rti
+from loss import INTERVENED, POLICY
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    model, tok = rti.load_model("tiny", seed=0)
+    return model, tok
+
+
+def make_policy(tiny, seed=0, **kw):
+    model, tok = tiny
+    return rti.Policy(model, tok, seed=seed, **kw)
+
+
+def easy_tasks(n):
+    return envs.make_tasks("easy")[:n]
+
+
+def test_agent_tokens_and_only_agent_tokens_are_trained(tiny):
+    policy = make_policy(tiny)
+    chat = policy.chat
+    for t in rti.rollout(policy, easy_tasks(3), 2):
+        # rebuild the sequence from the environment alone: prompt, then per turn agent ids and observation ids
+        env = envs.Navigation(t.task)
+        expected_ids = chat.prompt_ids(env.reset())
+        expected_mask = [0] * len(expected_ids)
+        for k, (start, end) in enumerate(t.turns):
+            agent = t.ids[start:end]
+            trained = [m for m in t.loss_mask[start:end]]
+            closed = agent[-1] == chat.eos_id
+            assert closed, "every turn ends with eos"
+            if trained[-1] == 0:          # turn cut at max_turn_tokens: eos appended, not trained
+                assert len(agent) == policy.max_turn_tokens + 1 and chat.eos_id not in agent[:-1]
+            expected_ids += agent
+            expected_mask += [1] * (len(agent) - (trained[-1] == 0)) + [0] * (trained[-1] == 0)
+            obs, done = env.step(t.actions[k])
+            assert t.actions[k] == chat.action_text(agent)
+            if not done:
+                expected_ids += chat.turn_ids(obs)
+                expected_mask += [0] * len(chat.turn_ids(obs))
+        assert env.done
+        assert t.ids == expected_ids
+        assert t.loss_mask == expected_mask
+        assert set(t.source) == {POLICY}
+        assert t.reward == float(env.score().success)
+
+
+def test_decoded_sequence_is_the_rendered_conversation(tiny):
+    policy = make_policy(tiny, seed=1)
+    tok = policy.tok
+    for t in rti.rollout(policy, easy_tasks(2), 2):
+        messages = []
+        for k, (start, end) in enumerate(t.turns):
+            messages.append({"role": "user", "content": t.observations[k]})
+            agent = t.ids[start:end - 1]            # without the closing eos
+            messages.append({"role": "assistant", "content": tok.decode(agent)})
+        rendered = tok.apply_chat_template(messages, tokenize=False)
+        assert tok.decode(t.ids) == rendered
+
+
+def test_session_with_holes_matches_each_sequence_alone(tiny):
+    model, tok = tiny
+    rng = random.Random(0)
+    seqs = [[rng.randrange(4, len(tok)) for _ in range(n)] for n in (5, 9, 3)]
+    extra = [[rng.randrange(4, len(tok)) for _ in range(n)] for n in (2, 0, 6)]
+    s = rti.DecodeSession(model, seqs, tok.pad_token_id)
+    s.feed([0, 2], [extra[0], extra[2]])
+    for i in range(3):
+        full = torch.tensor([seqs[i] + extra[i]])
+        with torch.no_grad():
+            ref = model(input_ids=full).logits[0, -1]
+        assert torch.allclose(s.last_logits[i], ref, atol=1e-4)
+
+
+def test_retract_restores_the_state_before_a_turn(tiny):
+    model, tok = tiny
+    policy = make_policy(tiny, seed=3)
+    prefix = [[5, 6, 7, 8], [9, 10]]
+    s = policy.session(prefix)
+    before = s.last_logits.clone()
+    ids, _ = policy.sample_turn(s, [0, 1])
+    s.retract(0, len(ids[0]))
+    assert torch.allclose(s.last_logits[0], before[0])
+    s.feed([0], [[11, 12]])
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([prefix[0] + [11, 12]])).logits[0, -1]
+    assert torch.allclose(s.last_logits[0], ref, atol=1e-4)
+
+
+def test_sampling_logprobs_equal_rescoring(tiny):
+    """The KV-cached sampler's log-probs are the full-sequence log-probs at the same temperature."""
+    policy = make_policy(tiny, seed=2, temperature=0.7)
+    trajs = rti.rollout(policy, easy_tasks(2), 3)
+    scored = policy.score([t.ids for t in trajs])
+    for t, lp in zip(trajs, scored):
+        for i, m in enumerate(t.loss_mask):
+            if m:
+                assert abs(t.sample_logp[i] - lp[i]) < 1e-3
+
+
+def test_same_seed_same_trajectories(tiny):
+    a = rti.rollout(make_policy(tiny, seed=5), easy_tasks(2), 2)
+    b = rti.rollout(make_policy(tiny, seed=5), easy_tasks(2), 2)
+    assert [t.ids for t in a] == [t.ids for t in b]
+
+
+def test_batched_equals_one_at_a_time(tiny):
+    """Lockstep batching changes nothing about what one episode computes (greedy decoding)."""
+    policy = make_policy(tiny, seed=0, temperature=1e-4)
+    tasks = easy_tasks(3)
+    batched = rti.rollout(policy, tasks, 1)
+    single = [rti.rollout(policy, [task], 1)[0] for task in tasks]
+    assert [t.ids for t in batched] == [t.ids for t in single]
+
+
+def test_warm_start_lowers_its_loss(tmp_path):
+    cfg = rti.Config(ws_steps=40, ws_batch=8, ws_out=str(tmp_path / "ws"), progress=False)
+    _, _, losses = rti.warmstart(cfg, log=lambda *a: None)
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert (tmp_path / "ws" / "config.json").exists()
+
+
+def test_teacher_sequence_hint_tokens_are_not_trained(tiny):
+    chat = rti.Chat(tiny[1])
+    task = easy_tasks(1)[0]
+    ids, w = rti.teacher_sequence(chat, task, random.Random(0), hint_frac=1.0, obs_weight=0.5)
+    text = chat.tok.convert_ids_to_tokens(ids)
+    inside = False
+    for tok, wt in zip(text, w):
+        if tok == "<hint>":
+            inside = True
+        if inside:
+            assert wt == 0.0
+        if tok == "</hint>":
+            inside = False
+    assert text.count("<hint>") == len(envs.optimal_actions(task))
+    assert 1.0 in w and 0.5 in w
+
+
+def small_cfg(tmp_path, **kw):
+    base = dict(init="", train_split="easy", batch_tasks=2, group_size=4, steps=1, eval_tasks=0, progress=False,
+                out=str(tmp_path / "run"), lr=1e-3, save_every=1)
+    base.update(kw)
+    return rti.Config(**base)
+
+
+def params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_one_training_step_changes_the_parameters(tmp_path):
+    # an untrained model never succeeds; rule corrections on every step make some trajectories succeed
+    cfg = small_cfg(tmp_path, method="rti", corrector="rule", max_corrections=100, ppl_gate=False,
+                    batch_tasks=2, group_size=4, intervene_per_group=2)
+    policy = rti.init_policy(cfg)
+    before = params(policy.model).clone()
+    opt = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr)
+    m = rti.train_step(policy, opt, envs.make_tasks("easy")[:2], cfg)
+    assert m["train_success"] == 0.0 and m["train_success_after_rti"] > 0
+    assert m["rti/intervened"] == 4 and m["train_success_after_rti"] == 0.5
+    assert m["trained_rows"] == 8
+    assert not torch.equal(before, params(policy.model))
+
+
+def read_metrics(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_resume_gives_the_same_run(tmp_path):
+    kw = dict(method="rti", steps=3, batch_tasks=2, group_size=2, train_split="easy")
+    straight = rti.train(small_cfg(tmp_path / "a", **kw), log=lambda *a: None)
+    rti.train(small_cfg(tmp_path / "b", **{**kw, "steps": 2}), log=lambda *a: None)
+    resumed = rti.train(small_cfg(tmp_path / "b", **kw, resume=True), log=lambda *a: None)
+    assert torch.allclose(params(straight["policy"].model), params(resumed["policy"].model), atol=1e-6)
+    ma = read_metrics(tmp_path / "a" / "run" / "metrics.jsonl")
+    mb = read_metrics(tmp_path / "b" / "run" / "metrics.jsonl")
+    drop = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}
+    assert [drop(m) for m in ma] == [drop(m) for m in mb]
+
+
+@pytest.mark.parametrize("flags,name", [
+    (["--group-size", "1"], "--group-size"),
+    (["--clip-low", "1.5"], "--clip-low"),
+    (["--model", "/no/such/dir"], "--model"),
+    (["--method", "ppo"], "--method"),
+    (["--temperature", "0"], "--temperature"),
+    (["--agg", "mean"], "agg"),
+])
+def test_bad_flags_stop_with_a_message_naming_the_flag(flags, name, capsys):
+    with pytest.raises(SystemExit):
+        rti.parse_args(flags)
+    assert name in capsys.readouterr().err
+
+
+def test_end_to_end_smoke(tmp_path, capsys):
+    """A warm start of a few steps, then `python rti.py` with RTI for two steps and a before/after evaluation."""
+    ws = tmp_path / "ws"
+    rti.main(["warmstart", "--ws-steps", "5", "--ws-batch", "4", "--ws-out", str(ws), "--no-progress"])
+    rti.main(["--init", str(ws), "--ws-out", str(ws), "--steps", "2", "--batch-tasks", "2", "--group-size", "2",
+              "--eval-tasks", "3", "--eval-samples", "4", "--out", str(tmp_path / "run"), "--no-progress",
+              "--train-split", "easy"])
+    out = capsys.readouterr().out
+    assert "warm start" in out and "p@1" in out
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows][:2] == [1, 2]
+    assert "rti/groups_triggered" in rows[0]
+    assert (tmp_path / "run" / "model" / "config.json").exists()
