@@ -86,3 +86,242 @@ def format_table(rows: dict[str, dict[str, float]]) -> str:
         cells = [f"{r[key]:.2f}" if key in r else "-" for key, _ in cols]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- evaluating checkpoints
+
+def evaluate_checkpoint(model_dir: str, split: str = "test", samples: int = 4, tasks: int | None = None,
+                        seed: int = 0, temperature: float = 1.0, threads: int = 2) -> dict[str, float]:
+    """pass@k / pass^k of a saved model (a directory written by rti.py) on a split, n = `samples` per task."""
+    import torch
+    import envs
+    import rti
+    torch.set_num_threads(threads)
+    model, tok = rti.load_model(model_dir)
+    policy = rti.Policy(model, tok, temperature=temperature, seed=seed)
+    return rti.evaluate_policy(policy, envs.make_tasks(split)[:tasks], samples, seed=seed)
+
+
+# ----------------------------------------------------------------------------- the method comparison (Table 3)
+
+METHODS = {   # the paper's Table 3 rows, all from the same warm start, budget and seeds
+    "GRPO": ["--method", "grpo"],
+    "RTI": ["--method", "rti"],
+    "RTI w/o verifier": ["--method", "rti", "--no-verify"],
+    "RTI w/o PPL gate": ["--method", "rti", "--no-ppl-gate"],
+    "RTI w/o reweight": ["--method", "rti", "--no-reweight"],
+}
+QUICK = ["--steps", "4", "--eval-tasks", "30", "--eval-every", "0", "--batch-tasks", "4"]
+
+
+def slug(name: str) -> str:
+    return name.lower().replace(" ", "-").replace("/", "")
+
+
+def run_one(args: tuple) -> str:
+    """One training run as a subprocess of `python rti.py` (one thread each, so `jobs` runs share the cores)."""
+    import subprocess
+    import sys
+    flags, out, log = args
+    with open(log, "w") as f:
+        subprocess.run([sys.executable, "rti.py", *flags, "--out", out, "--threads", "1", "--no-progress"],
+                       stdout=f, stderr=subprocess.STDOUT, check=True)
+    return out
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    return m, (sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5
+
+
+def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[str]) -> dict:
+    """Train every method of METHODS for every seed from the same warm start, then write the table (markdown and
+    CSV), the beyond-the-boundary counts and the figures under out_dir. Returns the per-run results."""
+    import json
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = [(name, seed) for seed in seeds for name in METHODS]
+    work = [([*METHODS[name], "--seed", str(seed), *(QUICK if quick else []), *extra],
+             str(out / f"{slug(name)}-s{seed}"), str(out / f"{slug(name)}-s{seed}.log")) for name, seed in runs]
+    t0 = time.time()
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(run_one, work))
+    wall = time.time() - t0
+    results = {(name, seed): json.loads((Path(w[1]) / "results.json").read_text()) for (name, seed), w in zip(runs, work)}
+    write_report(results, seeds, out, wall, " ".join(["python evaluate.py compare"] + (["--quick"] if quick else [])
+                                                      + ["--seeds", *map(str, seeds), "--jobs", str(jobs), *extra]))
+    return results
+
+
+def boundary(results: dict, seeds: list[int]) -> dict[str, float]:
+    """Of the test tasks the warm-started policy never solves in its evaluation samples (per seed), the share each
+    trained policy solves at least once, averaged over seeds."""
+    out = {}
+    for name in METHODS:
+        shares = []
+        for seed in seeds:
+            r = results[(name, seed)]
+            never = [i for i, s in enumerate(r["before_tasks"]) if not any(s)]
+            if never:
+                shares.append(100.0 * sum(any(r["after_tasks"][i]) for i in never) / len(never))
+        out[name] = sum(shares) / len(shares) if shares else float("nan")
+    return out
+
+
+def write_report(results: dict, seeds: list[int], out, wall: float, command: str) -> None:
+    """compare.md, compare.csv and (with matplotlib) the figures."""
+    keys = [k for k, _ in COLUMNS]
+    rows, spread, csv = {}, {}, ["method,seed," + ",".join(keys)]
+    before = [results[("GRPO", s)]["before"] for s in seeds]
+    rows["warm start"] = {k: mean_std([b[k] for b in before])[0] for k in keys}
+    for name in METHODS:
+        per_seed = [results[(name, s)]["after"] for s in seeds]
+        rows[name] = {k: mean_std([r[k] for r in per_seed])[0] for k in keys}
+        spread[name] = mean_std([r["p@1"] for r in per_seed])[1]
+        csv += [f"{name},{s}," + ",".join(f"{r[k]:.2f}" for k in keys) for s, r in zip(seeds, per_seed)]
+    never = boundary(results, seeds)
+    gap = [results[("RTI", s)]["after"]["p@1"] - results[("GRPO", s)]["after"]["p@1"] for s in seeds]
+    lines = [f"Command: `{command}` ({len(seeds)} seeds, wall time {wall / 60:.1f} min)", "",
+             format_table(rows), "",
+             "| method | p@1 std over seeds | solves never-solved tasks (%) |", "| --- | --- | --- |"]
+    lines += [f"| {n} | {spread[n]:.2f} | {never[n]:.1f} |" for n in METHODS]
+    lines += ["", f"RTI minus GRPO p@1 per seed: {', '.join(f'{g:+.2f}' for g in gap)} "
+                  f"(mean {sum(gap) / len(gap):+.2f})"]
+    (out / "compare.md").write_text("\n".join(lines) + "\n")
+    (out / "compare.csv").write_text("\n".join(csv) + "\n")
+    print("\n".join(lines))
+    try:
+        plot_curves(out, seeds[0])
+        plot_heatmap(out / f"rti-s{seeds[0]}" / "model", out / "fig7_weighted_ratio.png", seed=seeds[0])
+    except ImportError:
+        print("matplotlib is not installed: no figures (pip install matplotlib)")
+
+
+# ----------------------------------------------------------------------------- figures (matplotlib, optional)
+
+def read_jsonl(path) -> list[dict]:
+    import json
+    return [json.loads(line) for line in open(path)]
+
+
+def plot_curves(out, seed: int) -> None:
+    """fig6: train success and test p@1 against step, GRPO vs RTI (the paper's Figure 6);
+    fig5: perplexity of corrections kept vs dropped by the gate over training (Figure 5)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    for name in ("GRPO", "RTI"):
+        rows = read_jsonl(out / f"{slug(name)}-s{seed}" / "metrics.jsonl")
+        train = [r for r in rows if "train_success" in r]
+        a.plot([r["step"] for r in train], [100 * r["train_success"] for r in train], label=f"{name} (sampled)")
+        if name == "RTI":
+            a.plot([r["step"] for r in train], [100 * r["train_success_after_rti"] for r in train], "--",
+                   label="RTI (after intervention)")
+        test = [r for r in rows if "test/p@1" in r]
+        b.plot([r["step"] for r in test], [r["test/p@1"] for r in test], "o-", label=name)
+    a.set(xlabel="step", ylabel="train success (%)", title="training rollouts")
+    b.set(xlabel="step", ylabel="test p@1", title="test split")
+    a.legend(), b.legend()
+    fig.tight_layout()
+    fig.savefig(out / "fig6_training_curves.png", dpi=120)
+    plt.close(fig)
+    rows = [r for r in read_jsonl(out / f"rti-s{seed}" / "metrics.jsonl") if "rti/groups" in r]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for key, label in (("rti/ppl_kept_mean", "kept by the gate"), ("rti/ppl_dropped_mean", "dropped by the gate")):
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) == r.get(key)]   # skip NaN
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=label)
+    ax.set(xlabel="step", ylabel="PPL of intervened tokens", title="corrections: gate decisions (RTI)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "fig5_correction_ppl.png", dpi=120)
+    plt.close(fig)
+
+
+def plot_heatmap(model_dir, png, seed: int = 0) -> None:
+    """fig7: the calibrated weighted ratio rho_t * w_t on the agent tokens of one intervened trajectory, at its
+    first update (rho_t = 1 there, so the figure shows the token weights w_t), beside the naive ratio pi / mu."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+    import envs
+    import intervene
+    import loss
+    import rti
+    model, tok = rti.load_model(str(model_dir))
+    policy = rti.Policy(model, tok, seed=seed)
+    traj = None
+    for i in range(0, 600, 8):
+        trajs, _ = intervene.intervene(policy, rti.rollout(policy, envs.make_tasks("train")[i:i + 8], 8),
+                                       intervene.RTIConfig(ppl_gate=False))
+        traj = next((t for t in trajs if t.intervention and loss.INTERVENED in t.source), None)
+        if traj:
+            break
+    if traj is None:
+        return
+    old = torch.tensor([policy.score([traj.ids])[0]])
+    beh, src, mask = (torch.tensor([x]) for x in (traj.sample_logp, traj.source, traj.loss_mask))
+    w = loss.token_weights(beh, old, (src == loss.INTERVENED) & (mask > 0))[0]
+    naive = torch.exp(old - beh)[0]
+    idx = [i for i, m in enumerate(traj.loss_mask) if m][:96]
+    words = tok.convert_ids_to_tokens([traj.ids[i] for i in idx])
+    cols = 12
+    rows_ = (len(idx) + cols - 1) // cols
+    fig, axes = plt.subplots(2, 1, figsize=(cols * 0.9, rows_ * 0.9 + 1.5))
+    for ax, vals, title in ((axes[0], w, "weighted ratio rho*w at the first update (= w)"),
+                            (axes[1], torch.where(src[0] == loss.INTERVENED, naive, torch.ones_like(naive)),
+                             "naive ratio pi_old / mu (intervened tokens)")):
+        grid = torch.full((rows_, cols), float("nan"))
+        for j, i in enumerate(idx):
+            grid[j // cols, j % cols] = vals[i]
+        im = ax.imshow(grid.numpy(), cmap="coolwarm", vmin=0, vmax=max(2.0, float(vals[idx].max())))
+        for j, i in enumerate(idx):
+            mark = "*" if traj.source[i] == loss.INTERVENED else ""
+            ax.text(j % cols, j // cols, mark + words[j].replace("<|im_end|>", "eos"), ha="center", va="center",
+                    fontsize=6)
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks([]), ax.set_yticks([])
+        fig.colorbar(im, ax=ax, fraction=0.02)
+    fig.suptitle("agent tokens of one corrected trajectory (* = intervened)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    import argparse
+    p = argparse.ArgumentParser(description="Evaluate a checkpoint (pass@k, pass^k) or run the method comparison.")
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("eval", help="evaluate a saved model directory on a split")
+    e.add_argument("model", help="a model directory saved by rti.py (e.g. runs/demo/model or checkpoints/warmstart)")
+    e.add_argument("--split", default="test")
+    e.add_argument("--samples", type=int, default=4)
+    e.add_argument("--tasks", type=int, default=None, help="first N tasks of the split (default: all)")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--threads", type=int, default=2)
+    c = sub.add_parser("compare", help="GRPO vs RTI vs its three ablations from the same warm start (Table 3)")
+    c.add_argument("--quick", action="store_true", help="a few steps and 30 test tasks: about 5 minutes")
+    c.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    c.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each")
+    c.add_argument("--out", default="results")
+    c.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed on to every `python rti.py` run")
+    args = p.parse_args(argv)
+    if args.command == "eval":
+        import envs
+        if args.split not in envs.SPLITS:
+            p.error(f"--split: unknown split {args.split!r}; known: {sorted(envs.SPLITS)}")
+        if args.samples < K_MAX:
+            p.error(f"--samples: need at least {K_MAX} samples per task for pass@1..{K_MAX}, got {args.samples}")
+        res = evaluate_checkpoint(args.model, args.split, args.samples, args.tasks, args.seed, threads=args.threads)
+        print(format_table({args.model: res}))
+    else:
+        compare(args.seeds, args.out, args.quick, args.jobs, [a for a in args.extra if a != "--"])
+
+
+if __name__ == "__main__":
+    main()

@@ -201,6 +201,8 @@ class Stats(dict):
 
 def safe(fn, cases, *args, default, stats):
     """Call a role; if it raises or returns the wrong number of answers, every case gets `default`."""
+    if not cases:
+        return []
     try:
         out = fn(cases, *args)
         if len(out) != len(cases):
@@ -254,6 +256,7 @@ def intervene(policy, trajs: list, cfg: RTIConfig, make_env=None) -> tuple[list,
     if not chosen:
         return trajs, finalize(stats)
     flagged = replay([trajs[i] for i in chosen], make_env, validator, stats)                # 1. replay
+    flagged = flagged if cfg.max_corrections > 0 else []
     rewrites = correct([c for _, c in flagged], corrector, verifier, cfg.correction_tries, stats)   # 2. correct
     fixed = [(chosen[j], c, r) for (j, c), r in zip(flagged, rewrites) if r is not None]
     done = continue_episodes(policy, fixed, validator, corrector, verifier, cfg, stats)   # 3. continue
@@ -320,7 +323,7 @@ def continue_episodes(policy, fixed, validator, corrector, verifier, cfg: RTICon
         t.observations.append(obs)
         chunk = chat.turn_ids(obs)
         t.add(chunk, 0, POLICY, None)
-        return ([chat.eos_id] if agent_ids[-1] != chat.eos_id else []) + chunk
+        return ([chat.eos_id] if agent_ids[-1:] != [chat.eos_id] else []) + chunk
 
     session = policy.session([t.ids for _, t, _ in rows])
     live, feed = [], []

@@ -491,9 +491,10 @@ def rollout(policy: Policy, tasks: list, group_size: int) -> list[Trajectory]:
     return trajs
 
 
-def evaluate_policy(policy: Policy, tasks: list, n: int, seed: int = 1234, chunk: int = 256) -> dict[str, float]:
+def evaluate_policy(policy: Policy, tasks: list, n: int, seed: int = 1234, chunk: int = 256,
+                    per_task: bool = False):
     """pass@k / pass^k of the policy on `tasks` with n samples each (evaluate.summarize), without touching the
-    training RNG stream."""
+    training RNG stream. per_task=True also returns the successes, one list of n booleans per task."""
     train_gen = policy.gen
     policy.gen = torch.Generator(device="cpu").manual_seed(seed)
     successes = []
@@ -505,7 +506,8 @@ def evaluate_policy(policy: Policy, tasks: list, n: int, seed: int = 1234, chunk
                 successes.append([t.reward > 0 for t in trajs[g * n:(g + 1) * n]])
     finally:
         policy.gen = train_gen
-    return evaluate.summarize(successes, k_max=min(4, n))
+    summary = evaluate.summarize(successes, k_max=min(4, n))
+    return (summary, successes) if per_task else summary
 
 
 # ----------------------------------------------------------------------------- warm start (supervised)
@@ -571,9 +573,14 @@ def warmstart(cfg: Config, log=print):
     model.train()
     t0, losses = time.time(), []
     bar = progress(range(cfg.ws_steps), cfg.progress, "warm start")
+    batches = []
     for step in bar:
-        batch = [teacher_sequence(chat, rng.choice(tasks), rng, cfg.ws_hint_frac, cfg.ws_obs_weight)
-                 for _ in range(cfg.ws_batch)]
+        if not batches:   # draw 8 batches at once and group similar lengths: less padding, same data
+            pool = sorted((teacher_sequence(chat, rng.choice(tasks), rng, cfg.ws_hint_frac, cfg.ws_obs_weight)
+                           for _ in range(8 * cfg.ws_batch)), key=lambda b: len(b[0]))
+            batches = [pool[i:i + cfg.ws_batch] for i in range(0, len(pool), cfg.ws_batch)]
+            rng.shuffle(batches)
+        batch = batches.pop()
         loss = warmstart_loss(model, [b[0] for b in batch], [b[1] for b in batch], tok.pad_token_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -718,7 +725,8 @@ def train(cfg: Config, log=print) -> dict:
         torch.set_rng_state(state["torch_rng"])
         log(f"resumed from {ckpt} at step {step}")
     elif cfg.eval_tasks:
-        results["before"] = evaluate_policy(policy, test_tasks, cfg.eval_samples, seed=cfg.seed + 10_000)
+        results["before"], results["before_tasks"] = evaluate_policy(policy, test_tasks, cfg.eval_samples,
+                                                                     seed=cfg.seed + 10_000, per_task=True)
         log(f"before training: test p@1 {results['before']['p@1']:.2f}")
     log_file = (out / "metrics.jsonl").open("a" if cfg.resume else "w")
     bar = progress(range(step, cfg.steps), cfg.progress, f"{cfg.method} training")
@@ -737,9 +745,10 @@ def train(cfg: Config, log=print) -> dict:
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             save_checkpoint(ckpt, policy, opt, step + 1, task_rng, cfg)
     if cfg.eval_tasks:
-        results["after"] = evaluate_policy(policy, test_tasks, cfg.eval_samples, seed=cfg.seed + 10_000)
-        with open(out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": cfg.steps, **{f"test/{k}": v for k, v in results["after"].items()}}) + "\n")
+        results["after"], results["after_tasks"] = evaluate_policy(policy, test_tasks, cfg.eval_samples,
+                                                                   seed=cfg.seed + 10_000, per_task=True)
+        log_file.write(json.dumps({"step": cfg.steps, **{f"test/{k}": v for k, v in results["after"].items()}}) + "\n")
+        (out / "results.json").write_text(json.dumps({"config": dataclasses.asdict(cfg), **results}))
     log_file.close()
     policy.model.save_pretrained(out / "model")
     policy.tok.save_pretrained(out / "model")
