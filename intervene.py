@@ -15,7 +15,7 @@ When every trajectory of a group fails, the group's rewards have no spread and G
 This file never imports the trainer. It needs a `policy` object with: `chat` (prompt_ids, turn_ids, ids,
 action_text, eos_id), `session(prefixes)`, `sample_turn(session, rows)`, `generate(contexts, max_new)`,
 `score(seqs)`, `max_turn_tokens`; and trajectories with the fields of rti.Trajectory (ids, loss_mask, source,
-sample_logp, turns, actions, observations, reward, rubric) and its `truncated(k)` and `add_turn` / `add` methods.
+sample_logp, turns, actions, observations, reward, rubric) and its `truncated(k)` and `step` methods.
 """
 from __future__ import annotations
 
@@ -310,20 +310,9 @@ def continue_episodes(policy, fixed, validator, corrector, verifier, cfg: RTICon
         t.intervention = {"corrections": 0}
 
     def step(r, agent_ids, logp, source) -> list[int] | None:
-        """Record row r's agent turn and execute it; return the tokens to feed after the turn (None when done)."""
         _, t, env = rows[r]
-        t.add_turn(agent_ids, logp, source, chat.eos_id)
         t.intervention["corrections"] += source == INTERVENED
-        t.actions.append(chat.action_text(agent_ids))
-        obs, finished = env.step(t.actions[-1])
-        if finished:
-            result = env.score()
-            t.reward, t.rubric = float(result.success), dict(result.items)
-            return None
-        t.observations.append(obs)
-        chunk = chat.turn_ids(obs)
-        t.add(chunk, 0, POLICY, None)
-        return ([chat.eos_id] if agent_ids[-1:] != [chat.eos_id] else []) + chunk
+        return t.step(chat, env, agent_ids, logp, source)
 
     session = policy.session([t.ids for _, t, _ in rows])
     live, feed = [], []
@@ -333,7 +322,7 @@ def continue_episodes(policy, fixed, validator, corrector, verifier, cfg: RTICon
         feed.append(rewrite.agent_ids + (chunk or []))
     while live:
         session.feed(live, feed)
-        live = [r for r, (_, t, env) in zip(live, [rows[r] for r in live]) if not env.done]
+        live = [r for r in live if not rows[r][2].done]
         if not live:
             break
         ids, logps = policy.sample_turn(session, live)
@@ -341,9 +330,11 @@ def continue_episodes(policy, fixed, validator, corrector, verifier, cfg: RTICon
         cases = [Case(rows[live[j]][1], rows[live[j]][2], chat.action_text(ids[j]), tuple(ids[j])) for j in review]
         checks = safe(validator.check, cases, default=StepCheck(True), stats=stats)
         stats.add("steps_checked", len(cases))
-        bad = [(j, c) for j, c, chk in zip(review, cases, checks) if not chk.valid]
-        for (j, c), chk in zip(bad, [chk for chk in checks if not chk.valid]):
-            c.reason = chk.reason
+        bad = []
+        for j, c, chk in zip(review, cases, checks):
+            if not chk.valid:
+                c.reason = chk.reason
+                bad.append((j, c))
         stats.add("steps_flagged", len(bad))
         rewrites = dict(zip([j for j, _ in bad], correct([c for _, c in bad], corrector, verifier,
                                                          cfg.correction_tries, stats)))

@@ -435,6 +435,22 @@ class Trajectory:
             self.add([eos_id], 0, POLICY, None)
         self.turns.append((start, len(self.ids)))
 
+    def step(self, chat: "Chat", env, agent_ids, logp, source=POLICY) -> list[int] | None:
+        """Record an agent turn and execute its action in `env`. Returns the tokens that follow the turn in the
+        model's context (a closing eos if the turn was cut off, then the observation), or None when the episode
+        ended (then reward and rubric are set)."""
+        self.add_turn(agent_ids, logp, source, chat.eos_id)
+        self.actions.append(chat.action_text(agent_ids))
+        obs, done = env.step(self.actions[-1])
+        if done:
+            result = env.score()
+            self.reward, self.rubric = float(result.success), dict(result.items)
+            return None
+        self.observations.append(obs)
+        chunk = chat.turn_ids(obs)
+        self.add(chunk, 0, POLICY, None)
+        return ([chat.eos_id] if agent_ids[-1:] != [chat.eos_id] else []) + chunk
+
 
 def start_episodes(policy: Policy, tasks: list, group_size: int):
     """B tasks x G fresh environments and trajectories that hold the prompt."""
@@ -450,18 +466,6 @@ def start_episodes(policy: Policy, tasks: list, group_size: int):
     return envs_, trajs
 
 
-def env_step(policy: Policy, env, traj: Trajectory, agent_ids: list[int]) -> tuple[str, bool]:
-    """Execute the action that agent_ids spell; return the observation and done."""
-    action = policy.chat.action_text(agent_ids)
-    traj.actions.append(action)
-    return env.step(action)
-
-
-def finish(traj: Trajectory, env) -> None:
-    result = env.score()
-    traj.reward, traj.rubric = float(result.success), dict(result.items)
-
-
 def rollout(policy: Policy, tasks: list, group_size: int) -> list[Trajectory]:
     """Sample B x G multi-turn episodes in lockstep: one batched decoding pass per turn for all live episodes.
 
@@ -473,21 +477,9 @@ def rollout(policy: Policy, tasks: list, group_size: int) -> list[Trajectory]:
     live = list(range(len(trajs)))
     while live:
         ids, logps = policy.sample_turn(session, live)
-        next_live, feed_rows, feed_chunks = [], [], []
-        for r, a_ids, a_lp in zip(live, ids, logps):
-            trajs[r].add_turn(a_ids, a_lp, POLICY, policy.chat.eos_id)
-            obs, done = env_step(policy, env_list[r], trajs[r], a_ids)
-            if done:
-                finish(trajs[r], env_list[r])
-                continue
-            chunk = ([policy.chat.eos_id] if a_ids[-1] != policy.chat.eos_id else []) + policy.chat.turn_ids(obs)
-            trajs[r].add(policy.chat.turn_ids(obs), 0, POLICY, None)
-            trajs[r].observations.append(obs)
-            feed_rows.append(r)
-            feed_chunks.append(chunk)
-            next_live.append(r)
-        session.feed(feed_rows, feed_chunks)
-        live = next_live
+        chunks = [trajs[r].step(policy.chat, env_list[r], a_ids, a_lp) for r, a_ids, a_lp in zip(live, ids, logps)]
+        live, chunks = [r for r, c in zip(live, chunks) if c is not None], [c for c in chunks if c is not None]
+        session.feed(live, chunks)
     return trajs
 
 
