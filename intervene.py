@@ -364,6 +364,10 @@ def intervened_ppl(policy, trajs: list) -> list[float]:
     return out
 
 
+MEANS = {"ppl_kept_mean": "gate_kept", "ppl_dropped_mean": "gate_dropped",   # mean -> the count it averages over
+         "calls_corrected_mean": "gate_kept", "calls_original_mean": "gate_kept"}
+
+
 def finalize(stats: Stats) -> dict:
     """Counts plus the rates and means a reader compares with the paper's Table 6."""
     s = dict(stats)
@@ -373,6 +377,10 @@ def finalize(stats: Stats) -> dict:
         s[f"{key}_mean"] = mean(xs)
         if key.startswith("ppl"):
             s[key.replace("ppl_", "gate_")] = len(xs)
+    return with_rates(s)
+
+
+def with_rates(s: dict) -> dict:
     div = lambda a, b: s.get(a, 0) / s[b] if s.get(b) else float("nan")
     s["trigger_rate"] = div("groups_triggered", "groups")
     s["flag_rate"] = div("steps_flagged", "steps_checked")
@@ -381,3 +389,38 @@ def finalize(stats: Stats) -> dict:
     s["with_accepted_rate"] = div("with_accepted", "intervened")
     s["corrected_success_rate"] = div("corrected_successes", "with_accepted")
     return s
+
+
+def total(steps: list[dict]) -> dict:
+    """The statistics of a whole run from its per-step ones: counts add up, means are weighted by their counts."""
+    s: dict = {}
+    for st in steps:
+        for k, v in st.items():
+            if k in MEANS:
+                if st.get(MEANS[k]):
+                    s[k + "_sum"] = s.get(k + "_sum", 0.0) + v * st[MEANS[k]]
+            elif not k.endswith("_rate"):
+                s[k] = s.get(k, 0) + v
+    for k, n in MEANS.items():
+        s[k] = s.pop(k + "_sum", float("nan")) / s[n] if s.get(n) else float("nan")
+    return with_rates(s)
+
+
+def report(s: dict) -> str:
+    """A few lines in the terms of the paper's Table 6."""
+    f = lambda x: "n/a" if x != x else f"{100 * x:.1f}%"
+    g = lambda x: "n/a" if x != x else f"{x:.2f}"
+    return "\n".join([
+        f"groups triggered (all G failed): {s.get('groups_triggered', 0)} of {s.get('groups', 0)} "
+        f"({f(s['trigger_rate'])})",
+        f"steps flagged by the validator: {s.get('steps_flagged', 0)} of {s.get('steps_checked', 0)} "
+        f"({f(s['flag_rate'])})",
+        f"corrections accepted by the verifier: {s.get('corrections_accepted', 0)} of "
+        f"{s.get('corrections_accepted', 0) + s.get('corrections_rejected', 0)} ({f(s['accept_rate'])})",
+        f"intervened trajectories with >= 1 accepted correction: {s.get('with_accepted', 0)} of "
+        f"{s.get('intervened', 0)} ({f(s['with_accepted_rate'])}); of those successful: "
+        f"{s.get('corrected_successes', 0)} ({f(s['corrected_success_rate'])})",
+        f"perplexity gate: kept {s.get('gate_kept', 0)} (mean PPL {g(s['ppl_kept_mean'])}), dropped "
+        f"{s.get('gate_dropped', 0)} (mean PPL {g(s['ppl_dropped_mean'])})",
+        f"tool calls per kept trajectory: corrected {g(s['calls_corrected_mean'])} vs original "
+        f"{g(s['calls_original_mean'])}"])

@@ -721,7 +721,10 @@ def train(cfg: Config, log=print) -> dict:
                                                                      seed=cfg.seed + 10_000, per_task=True)
         log(f"before training: test p@1 {results['before']['p@1']:.2f}")
     log_file = (out / "metrics.jsonl").open("a" if cfg.resume else "w")
+    if "before" in results:
+        log_file.write(json.dumps({"step": 0, **{f"test/{k}": v for k, v in results["before"].items()}}) + "\n")
     bar = progress(range(step, cfg.steps), cfg.progress, f"{cfg.method} training")
+    rti_steps = []
     for step in bar:
         tasks = task_rng.sample(train_tasks, cfg.batch_tasks)
         t0 = time.time()
@@ -730,12 +733,16 @@ def train(cfg: Config, log=print) -> dict:
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and cfg.eval_tasks and step + 1 < cfg.steps:
             m.update({f"test/{k}": v for k, v in
                       evaluate_policy(policy, test_tasks, cfg.eval_samples, seed=cfg.seed + 10_000).items()})
+        rti_steps.append({k[4:]: v for k, v in m.items() if k.startswith("rti/")})
         log_file.write(json.dumps(m) + "\n")
         log_file.flush()
         if hasattr(bar, "set_postfix"):
             bar.set_postfix(success=f"{m['train_success']:.2f}", loss=f"{m.get('loss', 0):.3f}")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             save_checkpoint(ckpt, policy, opt, step + 1, task_rng, cfg)
+    if cfg.method == "rti":
+        import intervene
+        results["interventions"] = intervene.total(rti_steps)
     if cfg.eval_tasks:
         results["after"], results["after_tasks"] = evaluate_policy(policy, test_tasks, cfg.eval_samples,
                                                                    seed=cfg.seed + 10_000, per_task=True)
@@ -761,6 +768,9 @@ def main(argv=None) -> None:
         print(f"\n{cfg.method} on the {cfg.test_split} split ({cfg.eval_tasks} tasks x {cfg.eval_samples} samples):")
         print(evaluate.format_table({("warm start" if k == "before" else f"after {cfg.steps} steps"): v
                                      for k, v in rows.items()}))
+    if "interventions" in res:
+        import intervene
+        print(f"\ninterventions over the run:\n{intervene.report(res['interventions'])}")
     print(f"wall time {time.time() - t0:.0f} s; metrics in {cfg.out}/metrics.jsonl, model in {cfg.out}/model")
 
 

@@ -791,3 +791,22 @@ def test_format_hint_on_the_env_reasons_states_the_hint_once():
         if not check.valid:
             block = intervene.format_hint(check.reason, env.hint())
             assert block == f"<hint> {check.reason} </hint>" and block.count(" dir ") == 1
+
+
+def test_run_totals_add_counts_and_weight_means():
+    a = intervene.finalize(intervene.Stats(groups=4, groups_triggered=2, steps_checked=10, steps_flagged=5,
+                                           corrections_accepted=3, corrections_rejected=1, intervened=4,
+                                           with_accepted=3, corrected_successes=2, ppl_kept=[2.0, 4.0],
+                                           ppl_dropped=[9.0], calls_corrected=[5, 7], calls_original=[6, 6]))
+    b = intervene.finalize(intervene.Stats(groups=4, groups_triggered=1, steps_checked=2, steps_flagged=2,
+                                           corrections_accepted=1, corrections_rejected=3, intervened=2,
+                                           with_accepted=1, corrected_successes=1, ppl_kept=[6.0],
+                                           calls_corrected=[9], calls_original=[10]))
+    s = intervene.total([a, b, intervene.finalize(intervene.Stats(groups=4, groups_triggered=0))])
+    assert (s["groups"], s["groups_triggered"], s["gate_kept"], s["gate_dropped"]) == (12, 3, 3, 1)
+    assert s["trigger_rate"] == pytest.approx(3 / 12) and s["accept_rate"] == pytest.approx(4 / 8)
+    assert s["ppl_kept_mean"] == pytest.approx(4.0) and s["ppl_dropped_mean"] == pytest.approx(9.0)
+    assert s["calls_corrected_mean"] == pytest.approx(7.0) and s["calls_original_mean"] == pytest.approx(22 / 3)
+    assert s["corrected_success_rate"] == pytest.approx(3 / 4) and s["flag_rate"] == pytest.approx(7 / 12)
+    text = intervene.report(s)
+    assert "3 of 12" in text and "kept 3 (mean PPL 4.00)" in text

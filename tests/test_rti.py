@@ -212,6 +212,7 @@ def test_end_to_end_smoke(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "warm start" in out and "p@1" in out
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows][:2] == [1, 2]
-    assert "rti/groups_triggered" in rows[0]
+    assert [r["step"] for r in rows] == [0, 1, 2, 2]        # before, two steps, after
+    assert "test/p@1" in rows[0] and "test/p@1" in rows[-1] and "interventions over the run" in out
+    assert "rti/groups_triggered" in rows[1]
     assert (tmp_path / "run" / "model" / "config.json").exists()
