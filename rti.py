@@ -168,12 +168,11 @@ def parse_args(argv=None) -> tuple[str, Config]:
 
 # ----------------------------------------------------------------------------- model and tokenizer
 
-SPECIAL = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
-ROLES = ["system", "user", "assistant"]
-TINY_TEMPLATE = (
-    "{% for m in messages %}{% if not loop.first %} {% endif %}"
-    "<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|>{% endfor %}"
-    "{% if add_generation_prompt %} <|im_start|> assistant{% endif %}")
+SPECIAL = ["<pad>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>", "<|im_end|>"]
+TINY_TEMPLATE = (   # compact: a turn costs 2 marker tokens plus the agent's eos (14 tokens a Navigation turn)
+    "{% for m in messages %}{% if not loop.first %} {% endif %}<|{{ m['role'] }}|> {{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %} <|im_end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %} <|assistant|>{% endif %}")
 
 
 def build_tiny_tokenizer(words):
@@ -181,7 +180,7 @@ def build_tiny_tokenizer(words):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     vocab = {}
-    for w in SPECIAL + ROLES + list(words):
+    for w in SPECIAL + list(words):
         vocab.setdefault(w, len(vocab))
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -195,7 +194,7 @@ def build_tiny_model(vocab_size: int, seed: int = 0):
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
-                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=3, bos_token_id=2)
+                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=SPECIAL.index("<|im_end|>"))
     return Qwen3ForCausalLM(cfg)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 import re
 from dataclasses import dataclass
 
@@ -23,7 +24,9 @@ from intervene import INTERVENED, POLICY, RTIConfig
 
 torch.set_num_threads(1)
 
-EASY = envs.make_tasks("easy", n=12)
+# the first 12 tasks of a fixed easy-like split (not envs.SPLITS, which may be retuned)
+SPEC = envs.SplitSpec(7, 7, 0.10, 1, 2, n=12, seed=1)
+EASY = [envs.generate_task(SPEC, random.Random(SPEC.seed * 1_000_003 + i), f"easy-{i:04d}") for i in range(SPEC.n)]
 T_SHORT, T_MID, T_LONG = EASY[6], EASY[1], EASY[5]   # 4, 6 and 9 optimal actions; a wall or edge next to most steps
 FIRST_MESSAGE = {envs.Navigation(t).reset(): t for t in EASY}
 RUBRIC = {envs.Navigation(t).rubric_text(): t for t in EASY}
@@ -49,12 +52,12 @@ def test_scripted_tasks_fit_the_scenarios():
 # ----------------------------------------------------------------------------- the scripted policy
 
 def parse_chat(text: str) -> list[tuple[str, str, bool]]:
-    """(role, content, closed) of each message of a decoded tiny-template chat."""
+    """(role, content, closed) of each message of a decoded tiny-template chat (`<|role|> content [<|im_end|>]`)."""
     msgs = []
-    for piece in text.split("<|im_start|>")[1:]:
-        words = piece.split()
-        closed = words[-1] == "<|im_end|>"
-        msgs.append((words[0], " ".join(words[1:-1] if closed else words[1:]), closed))
+    for role, body in re.findall(r"<\|(user|assistant|system)\|>((?:(?!<\|(?:user|assistant|system)\|>).)*)", text):
+        words = body.split()
+        closed = bool(words) and words[-1] == "<|im_end|>"
+        msgs.append((role, " ".join(words[:-1] if closed else words), closed))
     return msgs
 
 
