@@ -103,12 +103,12 @@ class Config:
             raise ValueError(f"--{flag.replace('_', '-')}: {msg}")
         if self.group_size < 2:
             bad("group_size", f"must be >= 2 for group advantages, got {self.group_size}")
-        for name in ("batch_tasks", "steps", "max_turn_tokens", "updates_per_batch", "micro_batch", "eval_samples",
-                     "ws_batch", "correction_tries", "threads", "save_every"):
-            if getattr(self, name) < (0 if name == "steps" else 1):
-                bad(name, f"must be positive, got {getattr(self, name)}")
-        if self.ws_steps < 0 or self.eval_every < 0 or self.eval_tasks < 0 or self.max_corrections < 0:
-            bad("ws_steps/eval_every/eval_tasks/max_corrections", "must be >= 0")
+        for name in ("batch_tasks", "max_turn_tokens", "updates_per_batch", "micro_batch", "eval_samples",
+                     "ws_batch", "correction_tries", "threads", "save_every", "steps", "ws_steps", "eval_every",
+                     "eval_tasks", "max_corrections"):
+            low = 0 if name in ("steps", "ws_steps", "eval_every", "eval_tasks", "max_corrections") else 1
+            if getattr(self, name) < low:
+                bad(name, f"must be >= {low}, got {getattr(self, name)}")
         if not 0 < self.clip_low < 1:
             bad("clip_low", f"must be in (0, 1), got {self.clip_low}")
         if not 0 < self.clip_high:
@@ -117,8 +117,9 @@ class Config:
             bad("temperature", f"must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.lr <= 0 or self.ws_lr <= 0:
-            bad("lr", "learning rates must be > 0")
+        for name in ("lr", "ws_lr"):
+            if getattr(self, name) <= 0:
+                bad(name, f"must be > 0, got {getattr(self, name)}")
         if not 0 <= self.ws_hint_frac <= 1:
             bad("ws_hint_frac", f"must be in [0, 1], got {self.ws_hint_frac}")
         if not 0 <= self.intervene_per_group <= self.group_size:
@@ -126,15 +127,15 @@ class Config:
         if self.ppl_max <= 1:
             bad("ppl_max", f"must be > 1 (a perplexity), got {self.ppl_max}")
         choices = {"method": ("grpo", "rti"), "validator": ("rubric", "llm"), "corrector": ("self", "rule"),
-                   "verifier": ("rubric", "llm")}
+                   "verifier": ("rubric", "llm", "none")}
         for name, ok in choices.items():
             if getattr(self, name) not in ok:
                 bad(name, f"must be one of {ok}, got {getattr(self, name)!r}")
         if self.model != "tiny" and not Path(self.model).is_dir():
             bad("model", f"{self.model!r} is neither 'tiny' nor a local model directory (nothing is downloaded)")
-        for split in (self.train_split, self.test_split, self.ws_split):
-            if split not in envs.SPLITS:
-                bad("train_split/test_split/ws_split", f"unknown split {split!r}; known: {sorted(envs.SPLITS)}")
+        for name in ("train_split", "test_split", "ws_split"):
+            if getattr(self, name) not in envs.SPLITS:
+                bad(name, f"unknown split {getattr(self, name)!r}; known: {sorted(envs.SPLITS)}")
         self.loss_config()  # loss.py validates its own fields
 
     def loss_config(self) -> rl_loss.LossConfig:
@@ -147,7 +148,8 @@ class Config:
 
 
 def parse_args(argv=None) -> tuple[str, Config]:
-    p = argparse.ArgumentParser(description="RTI: Rollout-Time Intervention for agentic RL (toy Navigation).")
+    p = argparse.ArgumentParser(description="RTI: Rollout-Time Intervention for agentic RL (toy Navigation).",
+                                usage="python rti.py [train | warmstart] [--flag VALUE ...]  (--help lists them)")
     p.add_argument("command", nargs="?", default="train", choices=("train", "warmstart"))
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
