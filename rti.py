@@ -287,9 +287,10 @@ def prepare_model(model, cfg: Config):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora_r:
         model = add_lora(model, cfg)
-    model.to(resolve_device(cfg.device))
     if cfg.fsdp:
-        shard_model(model, cfg)
+        shard_model(model, cfg)     # fully_shard moves each layer's shard to this rank's device, one layer at a time
+    else:
+        model.to(resolve_device(cfg.device))
     return model
 
 
@@ -377,7 +378,9 @@ def shard_model(model, cfg: Config) -> None:
     """FSDP2: fully_shard every decoder layer (the classes in the model's `_no_split_modules`), then the root
     (embeddings, final norm, head). With --dtype bf16 the fp32 shards are all-gathered and computed in bf16, and
     gradients are reduced in fp32."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(resolve_device(cfg.device).type, (world_size(),))
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.dtype == "bf16"
           else MixedPrecisionPolicy())
     names = set(getattr(model, "_no_split_modules", None) or [])
@@ -385,8 +388,8 @@ def shard_model(model, cfg: Config) -> None:
     if not layers:
         raise ValueError(f"--fsdp: found no decoder layers to shard in {type(model).__name__} (_no_split_modules)")
     for layer in layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     set_training_resharding(model)
 
 

@@ -255,6 +255,18 @@ def test_rti_step_with_a_qwen3_template_model(qwen_tok):
     assert qwen_tok.decode(rewrite.agent_ids).startswith("<tool_call>\n{\"name\": ")
 
 
+def test_model_path_loads_a_local_model_with_its_template_and_flags(qwen_tok, tmp_path):
+    model = rti.build_tiny_model(len(qwen_tok), seed=0)
+    model.save_pretrained(tmp_path / "m")
+    qwen_tok.save_pretrained(tmp_path / "m")
+    _, cfg = rti.parse_args(["--model", str(tmp_path / "m"), "--dtype", "bf16", "--attn-implementation", "eager",
+                             "--thinking"])
+    policy = rti.init_policy(cfg)
+    assert policy.chat.tools and policy.chat.prompt_post.endswith("assistant\n")      # thinking on: no empty block
+    assert policy.model.config._attn_implementation == "eager"
+    assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
+
+
 # ----------------------------------------------------------------------------- bf16, gradient checkpointing, LoRA
 
 def small_cfg(tmp_path, **kw):
