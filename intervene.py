@@ -12,8 +12,8 @@ When every trajectory of a group fails, the group's rewards have no spread and G
   4. gate     a corrected trajectory that succeeds is kept iff the perplexity of its rewritten tokens under the policy
               WITHOUT the hint is at most `ppl_max`; kept ones replace the failed trajectory they came from.
 
-This file never imports the trainer. It needs a `policy` object with: `chat` (prompt_ids, turn_ids, ids,
-text, action_text, action_ids, eos_id), `session(prefixes)`, `sample_turn(session, rows)`, `generate(contexts, max_new)`,
+This file never imports the trainer. It needs a `policy` object with: `chat` (prompt_ids, turn_ids, ids, text,
+action_text, action_ids, eos_id), `session(prefixes)`, `sample_turn(session, rows)`, `generate(contexts, max_new)`,
 `score(seqs)`, `max_turn_tokens`; and trajectories with the fields of rti.Trajectory (ids, loss_mask, source,
 sample_logp, turns, actions, observations, reward, rubric) and its `truncated(k)` and `add_turn` / `add` methods.
 """

@@ -107,7 +107,7 @@ class Config:
     dtype: str = "fp32"                 # "fp32" | "bf16": compute dtype; the weights too, except FSDP's fp32 master
                                         # shards and LoRA's fp32 adapters
     gradient_checkpointing: bool = False   # recompute each decoder layer's activations in backward (non-reentrant)
-    lora_r: int = 0                     # > 0: train rank-r LoRA adapters on every linear layer (needs: pip install peft)
+    lora_r: int = 0                     # > 0: train rank-r LoRA adapters on every linear layer (pip install peft)
     lora_alpha: float = 32.0
     attn_implementation: str = ""       # "" = the model's default (sdpa); "eager" | "sdpa" | "flash_attention_2"
     thinking: bool = False              # thinking mode of chat templates that have one (Qwen3's enable_thinking)
@@ -490,7 +490,7 @@ TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 def format_tool_call(action: str) -> str:
-    """'move up' -> '<tool_call>\\n{"name": "move", "arguments": {"direction": "up"}}\\n</tool_call>' (Qwen3's format)."""
+    """'move up' -> '<tool_call>\\n{"name": "move", "arguments": {"direction": "up"}}\\n</tool_call>' (as Qwen3)."""
     return f"<tool_call>\n{json.dumps(envs.Navigation.call_from_action(action))}\n</tool_call>"
 
 

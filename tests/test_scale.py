@@ -4,7 +4,6 @@ cannot serve, and FSDP2 on 2 CPU processes (gloo) against 1 process on the same 
 `python -m torch.distributed.run --standalone --nproc_per_node 2 tests/test_scale.py OUT` is the 2-process worker
 that test_fsdp_two_processes_match_one_process launches.
 """
-import dataclasses
 import importlib.util
 import json
 import math
@@ -341,11 +340,11 @@ def test_gpu_smoke_code_path_runs_on_cpu_with_a_tiny_architecture(tmp_path):
 
 # ----------------------------------------------------------------------------- flags the machine cannot serve
 
+FIND_SPEC = importlib.util.find_spec
+
+
 def no_peft(name, *a, **kw):
     return None if name == "peft" else FIND_SPEC(name, *a, **kw)
-
-
-FIND_SPEC = importlib.util.find_spec
 
 
 @pytest.mark.parametrize("flags,env,patch,expect", [
