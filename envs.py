@@ -418,6 +418,42 @@ class Navigation(Env):
         words += list(LABELS) + [str(i) for i in range(MAX_NUMBER + 1)]
         return list(dict.fromkeys(words))  # ordered, no duplicates
 
+    # --- tool calls, for real chat models (a chat template with tools; the tiny model writes ACTIONS as text)
+    @classmethod
+    def tools(cls) -> list[dict]:
+        """ACTIONS as OpenAI-style function tools, for `tokenizer.apply_chat_template(..., tools=...)`."""
+        def tool(name, description, properties):
+            return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+                "type": "object", "properties": properties, "required": sorted(properties)}}}
+        directions = [a.split()[1] for a in MOVES]
+        return [tool("move", "Move one cell on the grid.",
+                     {"direction": {"type": "string", "enum": directions, "description": "up decreases the row"}}),
+                tool("finish", "End the episode; call it on the last waypoint.", {})]
+
+    @classmethod
+    def action_from_call(cls, name, arguments) -> str | None:
+        """The action a tool call performs, or None when it names no action.
+
+        >>> Navigation.action_from_call("move", {"direction": "up"}), Navigation.action_from_call("finish", {})
+        ('move up', 'finish')
+        >>> Navigation.action_from_call("move", {"direction": "north"}) is None
+        True
+        """
+        if not isinstance(arguments, dict):
+            return None
+        if name == "finish" and not arguments:
+            return "finish"
+        action = f"move {arguments.get('direction')}"
+        return action if name == "move" and set(arguments) == {"direction"} and action in MOVES else None
+
+    @classmethod
+    def call_from_action(cls, action: str) -> dict:
+        """Inverse of action_from_call for the actions in ACTIONS: 'move up' -> {'name': 'move', 'arguments': {...}}."""
+        if action not in ACTIONS:
+            raise ValueError(f"{action!r} is not one of {ACTIONS}")
+        name, *arg = action.split()
+        return {"name": name, "arguments": {"direction": arg[0]} if arg else {}}
+
 
 def replay(task: NavTask, actions: list[str]) -> Navigation:
     """A fresh episode of `task` with `actions` applied (those after the episode ends are ignored)."""

@@ -12,8 +12,8 @@ When every trajectory of a group fails, the group's rewards have no spread and G
   4. gate     a corrected trajectory that succeeds is kept iff the perplexity of its rewritten tokens under the policy
               WITHOUT the hint is at most `ppl_max`; kept ones replace the failed trajectory they came from.
 
-This file never imports the trainer. It needs a `policy` object with: `chat` (prompt_ids, turn_ids, ids,
-action_text, eos_id), `session(prefixes)`, `sample_turn(session, rows)`, `generate(contexts, max_new)`,
+This file never imports the trainer. It needs a `policy` object with: `chat` (prompt_ids, turn_ids, ids, text,
+action_text, action_ids, eos_id), `session(prefixes)`, `sample_turn(session, rows)`, `generate(contexts, max_new)`,
 `score(seqs)`, `max_turn_tokens`; and trajectories with the fields of rti.Trajectory (ids, loss_mask, source,
 sample_logp, turns, actions, observations, reward, rubric) and its `truncated(k)` and `step` methods.
 """
@@ -130,7 +130,7 @@ class RuleCorrector:
         out = []
         for c in cases:
             action = c.env.optimal_action()
-            ids = self.policy.chat.ids(action) + [self.policy.chat.eos_id]
+            ids = self.policy.chat.action_ids(action) + [self.policy.chat.eos_id]
             out.append(Rewrite(ids, [0.0] * len(ids), action))
         return out
 
@@ -169,7 +169,7 @@ class AcceptAll:
 def ask(policy, prompts: list[str], max_new: int = 8) -> list[str]:
     """One short answer per prompt, each in a fresh single-message chat."""
     ids, _ = policy.generate([policy.chat.prompt_ids(p) for p in prompts], max_new)
-    return [policy.chat.action_text(i) for i in ids]
+    return [policy.chat.text(i) for i in ids]
 
 
 def context_with(chat, traj, extra: str) -> list[int]:
@@ -314,7 +314,8 @@ def continue_episodes(policy, fixed, validator, corrector, verifier, cfg: RTICon
         t.intervention["corrections"] += source == INTERVENED
         return t.step(chat, env, agent_ids, logp, source)
 
-    session = policy.session([t.ids for _, t, _ in rows])
+    seeds = [t.seed for _, t, _ in rows]   # continue each episode on a stream of its own (None: the policy's)
+    session = policy.session([t.ids for _, t, _ in rows], None if None in seeds else [s + 1 for s in seeds])
     live, feed = [], []
     for r, (_, _, rewrite) in enumerate(fixed):
         chunk = step(r, rewrite.agent_ids, rewrite.logp, INTERVENED)
@@ -360,7 +361,8 @@ def intervened_ppl(policy, trajs: list) -> list[float]:
     out = []
     for t, lp in zip(trajs, scored):
         vals = [v for v, s, m in zip(lp, t.source, t.loss_mask) if s == INTERVENED and m]
-        out.append(math.exp(-sum(vals) / len(vals)) if vals else 1.0)
+        nll = -sum(vals) / len(vals) if vals else 0.0
+        out.append(math.exp(nll) if nll < 700 else math.inf)   # exp overflows a float past ~709
     return out
 
 

@@ -93,9 +93,9 @@ class Query:
 
 class RecordingSession(rti.DecodeSession):
     """A DecodeSession that also keeps the token ids of each row (what the model has seen)."""
-    def __init__(self, model, prefixes, pad_id):
+    def __init__(self, model, prefixes, pad_id, seeds=None):
         self.tokens = [[] for _ in prefixes]
-        super().__init__(model, prefixes, pad_id)
+        super().__init__(model, prefixes, pad_id, seeds)
 
     def feed(self, rows, chunks):
         for r, c in zip(rows, chunks):
@@ -139,9 +139,9 @@ class ScriptedPolicy(rti.Policy):
         for v in self.role_calls.values():
             v.clear()
 
-    def session(self, prefixes):
+    def session(self, prefixes, seeds=None):
         self.sessions += 1
-        return RecordingSession(self.model, prefixes, self.tok.pad_token_id)
+        return RecordingSession(self.model, prefixes, self.tok.pad_token_id, seeds)
 
     def episode(self, ids):
         """(task, actions) of a training-sequence context (or a corrector context, hint stripped)."""

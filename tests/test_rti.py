@@ -65,7 +65,9 @@ def test_decoded_sequence_is_the_rendered_conversation(tiny):
             agent = t.ids[start:end - 1]            # without the closing eos
             messages.append({"role": "assistant", "content": tok.decode(agent)})
         rendered = tok.apply_chat_template(messages, tokenize=False)
-        assert tok.decode(t.ids) == rendered
+        # an empty agent turn renders as "<|assistant|>  <|im_end|>": equal up to runs of spaces, and equal ids
+        assert " ".join(tok.decode(t.ids).split()) == " ".join(rendered.split())
+        assert tok(rendered, add_special_tokens=False).input_ids == t.ids
 
 
 def test_session_with_holes_matches_each_sequence_alone(tiny):
@@ -115,12 +117,14 @@ def test_same_seed_same_trajectories(tiny):
 
 
 def test_batched_equals_one_at_a_time(tiny):
-    """Lockstep batching changes nothing about what one episode computes (greedy decoding)."""
-    policy = make_policy(tiny, seed=0, temperature=1e-4)
+    """Lockstep batching changes nothing about what one episode samples: each episode has its own stream."""
+    policy = make_policy(tiny, seed=0, temperature=1.0)
     tasks = easy_tasks(3)
-    batched = rti.rollout(policy, tasks, 1)
-    single = [rti.rollout(policy, [task], 1)[0] for task in tasks]
+    batched = rti.rollout(policy, tasks, 2, seed=7)
+    single = [t for task in tasks for t in rti.rollout(policy, [task], 2, seed=7)]
     assert [t.ids for t in batched] == [t.ids for t in single]
+    other = rti.rollout(policy, tasks, 2, seed=8)
+    assert [t.ids for t in other] != [t.ids for t in batched]
 
 
 def test_warm_start_lowers_its_loss(tmp_path):
