@@ -91,15 +91,16 @@ def format_table(rows: dict[str, dict[str, float]]) -> str:
 # ----------------------------------------------------------------------------- evaluating checkpoints
 
 def evaluate_checkpoint(model_dir: str, split: str = "test", samples: int = 4, tasks: int | None = None,
-                        seed: int = 0, temperature: float = 1.0, threads: int = 2) -> dict[str, float]:
-    """pass@k / pass^k of a saved model (a directory written by rti.py) on a split, n = `samples` per task."""
+                        seed: int = 0, temperature: float = 1.0, threads: int = 2, per_task: bool = False):
+    """pass@k / pass^k of a saved model (a directory written by rti.py) on a split, n = `samples` per task
+    (per_task=True: also each task's successes)."""
     import torch
     import envs
     import rti
     torch.set_num_threads(threads)
     model, tok = rti.load_model(model_dir)
     policy = rti.Policy(model, tok, temperature=temperature, seed=seed)
-    return rti.evaluate_policy(policy, envs.make_tasks(split)[:tasks], samples, seed=seed)
+    return rti.evaluate_policy(policy, envs.make_tasks(split)[:tasks], samples, seed=seed, per_task=per_task)
 
 
 # ----------------------------------------------------------------------------- the method comparison (Table 3)
@@ -112,6 +113,7 @@ METHODS = {   # the paper's Table 3 rows, all from the same warm start, budget a
     "RTI w/o reweight": ["--method", "rti", "--no-reweight"],
 }
 QUICK = ["--steps", "4", "--eval-tasks", "30", "--eval-every", "0", "--batch-tasks", "4"]
+BOUNDARY_SAMPLES, BOUNDARY_TASKS, BOUNDARY_TASKS_QUICK = 16, 150, 30   # the warm start's boundary: 16 samples a task
 
 
 def slug(name: str) -> str:
@@ -144,48 +146,61 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs = [(name, seed) for seed in seeds for name in METHODS]
-    work = [([*METHODS[name], "--seed", str(seed), *(QUICK if quick else []), *extra],
+    work = [([*METHODS[name], "--seed", str(seed), "--no-eval-before", *(QUICK if quick else []), *extra],
              str(out / f"{slug(name)}-s{seed}"), str(out / f"{slug(name)}-s{seed}.log")) for name, seed in runs]
     t0 = time.time()
+    warm = evaluate_checkpoint(warmstart_dir(extra), "test", BOUNDARY_SAMPLES,
+                               BOUNDARY_TASKS_QUICK if quick else BOUNDARY_TASKS, seed=seeds[0], threads=jobs,
+                               per_task=True)
     with ThreadPoolExecutor(jobs) as pool:
         list(pool.map(run_one, work))
     wall = time.time() - t0
     results = {(name, seed): json.loads((Path(w[1]) / "results.json").read_text()) for (name, seed), w in zip(runs, work)}
-    write_report(results, seeds, out, wall, " ".join(["python evaluate.py compare"] + (["--quick"] if quick else [])
-                                                      + ["--seeds", *map(str, seeds), "--jobs", str(jobs), *extra]))
+    write_report(results, warm, seeds, out, wall, " ".join(["python evaluate.py compare"] + (["--quick"] if quick else [])
+                                                            + ["--seeds", *map(str, seeds), "--jobs", str(jobs), *extra]))
+    try:
+        plot_curves(out, seeds[0])
+        plot_heatmap(out / f"rti-s{seeds[0]}" / "model", out / "fig7_weighted_ratio.png", seed=seeds[0])
+    except ImportError:
+        print("matplotlib is not installed: no figures (pip install matplotlib)")
     return results
 
 
-def boundary(results: dict, seeds: list[int]) -> dict[str, float]:
-    """Of the test tasks the warm-started policy never solves in its evaluation samples (per seed), the share each
-    trained policy solves at least once, averaged over seeds."""
+def warmstart_dir(extra: list[str]) -> str:
+    import rti
+    return extra[extra.index("--init") + 1] if "--init" in extra else rti.WARMSTART_DIR
+
+
+def boundary(results: dict, warm_tasks: list[list[bool]], seeds: list[int]) -> tuple[int, dict[str, float]]:
+    """The test tasks the warm-started policy never solves in its 16 samples, and the share of them each trained
+    policy solves at least once in its evaluation samples (averaged over seeds)."""
+    never = [i for i, s in enumerate(warm_tasks) if not any(s)]
     out = {}
     for name in METHODS:
-        shares = []
-        for seed in seeds:
-            r = results[(name, seed)]
-            never = [i for i, s in enumerate(r["before_tasks"]) if not any(s)]
-            if never:
-                shares.append(100.0 * sum(any(r["after_tasks"][i]) for i in never) / len(never))
+        shares = [100.0 * sum(any(results[(name, s)]["after_tasks"][i]) for i in never) / len(never)
+                  for s in seeds if never]
         out[name] = sum(shares) / len(shares) if shares else float("nan")
-    return out
+    return len(never), out
 
 
-def write_report(results: dict, seeds: list[int], out, wall: float, command: str) -> None:
+def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float, command: str) -> None:
     """compare.md, compare.csv and (with matplotlib) the figures."""
     keys = [k for k, _ in COLUMNS]
     rows, spread, csv = {}, {}, ["method,seed," + ",".join(keys)]
-    before = [results[("GRPO", s)]["before"] for s in seeds]
-    rows["warm start"] = {k: mean_std([b[k] for b in before])[0] for k in keys}
+    warm_summary, warm_tasks = warm
+    rows[f"warm start ({BOUNDARY_SAMPLES} samples)"] = warm_summary
     for name in METHODS:
         per_seed = [results[(name, s)]["after"] for s in seeds]
         rows[name] = {k: mean_std([r[k] for r in per_seed])[0] for k in keys}
         spread[name] = mean_std([r["p@1"] for r in per_seed])[1]
         csv += [f"{name},{s}," + ",".join(f"{r[k]:.2f}" for k in keys) for s, r in zip(seeds, per_seed)]
-    never = boundary(results, seeds)
+    n_never, never = boundary(results, warm_tasks, seeds)
     gap = [results[("RTI", s)]["after"]["p@1"] - results[("GRPO", s)]["after"]["p@1"] for s in seeds]
     lines = [f"Command: `{command}` ({len(seeds)} seeds, wall time {wall / 60:.1f} min)", "",
              format_table(rows), "",
+             f"Beyond the boundary: {n_never} of {len(warm_tasks)} test tasks are never solved by the warm start in "
+             f"{BOUNDARY_SAMPLES} samples; the last column is the share of them a trained policy solves in its "
+             f"evaluation samples (mean over seeds).", "",
              "| method | p@1 std over seeds | solves never-solved tasks (%) |", "| --- | --- | --- |"]
     lines += [f"| {n} | {spread[n]:.2f} | {never[n]:.1f} |" for n in METHODS]
     lines += ["", f"RTI minus GRPO p@1 per seed: {', '.join(f'{g:+.2f}' for g in gap)} "
@@ -193,11 +208,6 @@ def write_report(results: dict, seeds: list[int], out, wall: float, command: str
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     (out / "compare.csv").write_text("\n".join(csv) + "\n")
     print("\n".join(lines))
-    try:
-        plot_curves(out, seeds[0])
-        plot_heatmap(out / f"rti-s{seeds[0]}" / "model", out / "fig7_weighted_ratio.png", seed=seeds[0])
-    except ImportError:
-        print("matplotlib is not installed: no figures (pip install matplotlib)")
 
 
 # ----------------------------------------------------------------------------- figures (matplotlib, optional)

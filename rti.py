@@ -90,6 +90,7 @@ class Config:
     eval_every: int = 10
     eval_samples: int = 4
     eval_tasks: int = 150               # first N tasks of the test split
+    eval_before: bool = True            # evaluate the starting policy too (the comparison does it once, not per run)
     out: str = "runs/demo"
     resume: bool = False
     save_every: int = 10
@@ -1101,7 +1102,7 @@ def train(cfg: Config, log=print) -> dict:
     if cfg.resume:
         step = load_checkpoint(ckpt, policy, opt, task_rng)
         log(f"resumed from {ckpt} at step {step}")
-    elif cfg.eval_tasks:
+    elif cfg.eval_tasks and cfg.eval_before:
         results["before"], results["before_tasks"] = evaluate_all(policy, test_tasks, cfg.eval_samples,
                                                                   seed=cfg.seed + 10_000, per_task=True)
         log(f"before training: test p@1 {results['before']['p@1']:.2f}")
