@@ -208,8 +208,8 @@ class SplitSpec:
 
 SPLITS = {  # tune here; EASY = warm start, train/test = the hard distribution (DESIGN.md section 7)
     "easy": SplitSpec(7, 7, 0.10, 1, 4, n=2000, seed=1),
-    "train": SplitSpec(7, 7, 0.40, 3, 3, n=600, seed=2),
-    "test": SplitSpec(7, 7, 0.40, 3, 3, n=150, seed=3),
+    "train": SplitSpec(7, 7, 0.45, 4, 4, n=600, seed=2),
+    "test": SplitSpec(7, 7, 0.45, 4, 4, n=150, seed=3),
 }
 
 
