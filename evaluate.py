@@ -146,7 +146,7 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs = [(name, seed) for seed in seeds for name in METHODS]
-    work = [([*METHODS[name], "--seed", str(seed), "--no-eval-before", *(QUICK if quick else []), *extra],
+    work = [([*METHODS[name], "--seed", str(seed), "--no-eval-before", *(QUICK if quick else ["--eval-tasks", "150"]), *extra],
              str(out / f"{slug(name)}-s{seed}"), str(out / f"{slug(name)}-s{seed}.log")) for name, seed in runs]
     t0 = time.time()
     warm = evaluate_checkpoint(warmstart_dir(extra), "test", BOUNDARY_SAMPLES,
