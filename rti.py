@@ -663,14 +663,18 @@ class Policy:
         return out
 
 
+def pad_rows(rows: list[list], fill, dtype, device) -> torch.Tensor:
+    """[N, T] tensor of right-padded rows, T = the longest row."""
+    out = torch.full((len(rows), max(len(r) for r in rows)), fill, dtype=dtype, device=device)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = torch.tensor(r, dtype=dtype, device=device)
+    return out
+
+
 def pad_right(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, device=device)
-        mask[i, :len(s)] = 1
-    return ids, mask
+    """Right-padded ids and their attention mask (by position, never by pad id)."""
+    return (pad_rows(seqs, pad_id, torch.long, device),
+            pad_rows([[1] * len(s) for s in seqs], 0, torch.long, device))
 
 
 def token_logprobs(model, ids: torch.Tensor, mask: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -832,10 +836,9 @@ def teacher_sequence(chat: Chat, task, rng: random.Random, hint_frac: float, obs
 
 def warmstart_loss(model, batch_ids, batch_w, pad_id) -> torch.Tensor:
     """Weighted next-token cross-entropy: sum_t w_t * CE_t / sum_t w_t."""
-    ids, mask = pad_right(batch_ids, pad_id, next(model.parameters()).device)
-    w = torch.zeros(ids.shape)
-    for i, ws in enumerate(batch_w):
-        w[i, :len(ws)] = torch.tensor(ws)
+    device = next(model.parameters()).device
+    ids, mask = pad_right(batch_ids, pad_id, device)
+    w = pad_rows(batch_w, 0.0, torch.float32, device)
     logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
     w = w[:, 1:].reshape(-1)
@@ -894,12 +897,7 @@ def progress(it, enabled: bool, desc: str):
 def collate(trajs: list[Trajectory], old_logp: list[list[float]], pad_id: int, device) -> dict:
     """Right-padded [N, T] tensors of one batch of trajectories (attention mask by position, never by pad id)."""
     ids, attn = pad_right([t.ids for t in trajs], pad_id, device)
-
-    def tensor(rows, dtype=torch.float32):
-        out = torch.zeros(ids.shape, dtype=dtype, device=device)
-        for i, v in enumerate(rows):
-            out[i, :len(v)] = torch.tensor(v, dtype=dtype)
-        return out
+    tensor = lambda rows, dtype=torch.float32: pad_rows(rows, 0, dtype, device)   # noqa: E731
     return {"ids": ids, "attn": attn, "loss_mask": tensor([t.loss_mask for t in trajs]),
             "source": tensor([t.source for t in trajs], torch.long),
             "behavior_logp": tensor([t.sample_logp for t in trajs]), "old_logp": tensor(old_logp)}
