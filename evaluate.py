@@ -112,6 +112,7 @@ METHODS = {   # the paper's Table 3 rows, all from the same warm start, budget a
     "RTI w/o PPL gate": ["--method", "rti", "--no-ppl-gate"],
     "RTI w/o reweight": ["--method", "rti", "--no-reweight"],
 }
+FULL = ["--eval-tasks", "150", "--eval-every", "4"]    # the default budget (12 steps), test curve every 4 steps
 QUICK = ["--steps", "4", "--eval-tasks", "30", "--eval-every", "0", "--batch-tasks", "4"]
 BOUNDARY_SAMPLES, BOUNDARY_TASKS, BOUNDARY_TASKS_QUICK = 16, 150, 30   # the warm start's boundary: 16 samples a task
 
@@ -146,7 +147,7 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs = [(name, seed) for seed in seeds for name in METHODS]
-    work = [([*METHODS[name], "--seed", str(seed), "--no-eval-before", *(QUICK if quick else ["--eval-tasks", "150"]), *extra],
+    work = [([*METHODS[name], "--seed", str(seed), "--no-eval-before", *(QUICK if quick else FULL), *extra],
              str(out / f"{slug(name)}-s{seed}"), str(out / f"{slug(name)}-s{seed}.log")) for name, seed in runs]
     t0 = time.time()
     warm = evaluate_checkpoint(warmstart_dir(extra), "test", BOUNDARY_SAMPLES,
@@ -159,7 +160,7 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
     write_report(results, warm, seeds, out, wall, " ".join(["python evaluate.py compare"] + (["--quick"] if quick else [])
                                                             + ["--seeds", *map(str, seeds), "--jobs", str(jobs), *extra]))
     try:
-        plot_curves(out, seeds[0])
+        plot_curves(out, seeds[0], warm[0]["p@1"])
         plot_heatmap(out / f"rti-s{seeds[0]}" / "model", out / "fig7_weighted_ratio.png", seed=seeds[0])
     except ImportError:
         print("matplotlib is not installed: no figures (pip install matplotlib)")
@@ -217,9 +218,10 @@ def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
 
-def plot_curves(out, seed: int) -> None:
-    """fig6: train success and test p@1 against step, GRPO vs RTI (the paper's Figure 6);
-    fig5: perplexity of corrections kept vs dropped by the gate over training (Figure 5)."""
+def plot_curves(out, seed: int, start_p1: float | None = None) -> None:
+    """fig6: train success and test p@1 against step, GRPO vs RTI (the paper's Figure 6), test p@1 starting from the
+    warm start's `start_p1` at step 0; fig5: perplexity of corrections kept vs dropped by the gate over training
+    (Figure 5)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -231,8 +233,9 @@ def plot_curves(out, seed: int) -> None:
         if name == "RTI":
             a.plot([r["step"] for r in train], [100 * r["train_success_after_rti"] for r in train], "--",
                    label="RTI (after intervention)")
-        test = [r for r in rows if "test/p@1" in r]
-        b.plot([r["step"] for r in test], [r["test/p@1"] for r in test], "o-", label=name)
+        test = ([(0, start_p1)] if start_p1 is not None else []) + [(r["step"], r["test/p@1"]) for r in rows
+                                                                     if "test/p@1" in r]
+        b.plot(*zip(*test), "o-", label=name)
     a.set(xlabel="step", ylabel="train success (%)", title="training rollouts")
     b.set(xlabel="step", ylabel="test p@1", title="test split")
     a.legend(), b.legend()

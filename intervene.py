@@ -316,17 +316,18 @@ def continue_episodes(policy, fixed, validator, corrector, verifier, cfg: RTICon
 
     seeds = [t.seed for _, t, _ in rows]   # continue each episode on a stream of its own (None: the policy's)
     session = policy.session([t.ids for _, t, _ in rows], None if None in seeds else [s + 1 for s in seeds])
-    live, feed = [], []
-    for r, (_, _, rewrite) in enumerate(fixed):
-        chunk = step(r, rewrite.agent_ids, rewrite.logp, INTERVENED)
-        live.append(r)
-        feed.append(rewrite.agent_ids + (chunk or []))
-    while live:
-        session.feed(live, feed)
-        live = [r for r in live if not rows[r][2].done]
+    live = list(range(len(rows)))     # live[i]: the episode in session row i
+    feed = [rewrite.agent_ids + (step(r, rewrite.agent_ids, rewrite.logp, INTERVENED) or [])
+            for r, (_, _, rewrite) in enumerate(fixed)]
+    while True:
+        going = [i for i, r in enumerate(live) if not rows[r][2].done]
+        if len(going) < len(live):
+            session.keep(going)       # finished episodes leave the batch
+        live, feed = [live[i] for i in going], [feed[i] for i in going]
         if not live:
             break
-        ids, logps = policy.sample_turn(session, live)
+        session.feed(list(range(len(live))), feed)
+        ids, logps = policy.sample_turn(session, list(range(len(live))))
         review = [j for j, r in enumerate(live) if rows[r][1].intervention["corrections"] < cfg.max_corrections]
         cases = [Case(rows[live[j]][1], rows[live[j]][2], chat.action_text(ids[j]), tuple(ids[j])) for j in review]
         checks = safe(validator.check, cases, default=StepCheck(True), stats=stats)
@@ -346,7 +347,7 @@ def continue_episodes(policy, fixed, validator, corrector, verifier, cfg: RTICon
                 chunk = step(r, ids[j], logps[j], POLICY)
                 feed.append(chunk or [])
             else:
-                session.retract(r, len(ids[j]))
+                session.retract(j, len(ids[j]))
                 chunk = step(r, rw.agent_ids, rw.logp, INTERVENED)
                 feed.append(rw.agent_ids + (chunk or []))
     return [(i, t) for i, t, _ in rows]

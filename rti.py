@@ -562,6 +562,7 @@ class DecodeSession:
         self.length = torch.zeros(self.n, dtype=torch.long, device=dev)       # real tokens per row
         self.last_logits = torch.zeros(self.n, model.config.vocab_size, device=dev)
         self.real_slots: list[list[int]] = [[] for _ in range(self.n)]       # cache slot of each real token
+        self.saved_logits: dict[int, torch.Tensor] = {}                      # next-token logits before a turn
         self.feed(list(range(self.n)), prefixes)
 
     @torch.no_grad()
@@ -610,6 +611,25 @@ class DecodeSession:
             self.feed([rows[i] for i in live], [[ids_out[i][-1]] for i in live])
             live = [i for i in live if i not in done]
         return ids_out, logp_out
+
+    @torch.no_grad()
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows`, renumbered: row rows[i] becomes row i. Cache columns that are holes in every kept row
+        go too, so finished episodes stop costing compute and memory (their slots rode along as holes before)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        mask = self.mask[idx]
+        used = mask.any(0)
+        cols = used.nonzero().squeeze(-1)
+        if any(self.cache.is_sliding):   # a sliding-window layer counts its columns: drop rows only
+            cols, used = torch.arange(mask.shape[1], device=idx.device), torch.ones_like(used)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[idx][:, :, cols], layer.values[idx][:, :, cols]
+        new_slot = (used.long().cumsum(0) - 1).tolist()
+        self.real_slots = [[new_slot[c] for c in self.real_slots[r]] for r in rows]
+        self.mask, self.length, self.last_logits = mask[:, cols], self.length[idx], self.last_logits[idx]
+        self.gens = [self.gens[r] for r in rows]
+        self.saved_logits = {i: self.saved_logits[r] for i, r in enumerate(rows) if r in self.saved_logits}
+        self.n = len(rows)
 
     @torch.no_grad()
     def retract(self, row: int, n_tokens: int) -> None:
@@ -772,12 +792,16 @@ def rollout(policy: Policy, tasks: list, group_size: int, seed: int | None = Non
     policy.model.eval()
     env_list, trajs = start_episodes(policy, tasks, group_size, seed)
     session = policy.session([t.ids for t in trajs], [t.seed for t in trajs])
-    live = list(range(len(trajs)))
+    live = list(range(len(trajs)))     # live[i]: the episode in session row i
     while live:
-        ids, logps = policy.sample_turn(session, live)
-        chunks = [trajs[r].step(policy.chat, env_list[r], a_ids, a_lp) for r, a_ids, a_lp in zip(live, ids, logps)]
-        live, chunks = [r for r, c in zip(live, chunks) if c is not None], [c for c in chunks if c is not None]
-        session.feed(live, chunks)
+        rows = list(range(len(live)))
+        ids, logps = policy.sample_turn(session, rows)
+        chunks = [trajs[e].step(policy.chat, env_list[e], a_ids, a_lp) for e, a_ids, a_lp in zip(live, ids, logps)]
+        going = [i for i in rows if chunks[i] is not None]
+        if len(going) < len(rows):
+            session.keep(going)        # finished episodes leave the batch
+        live = [live[i] for i in going]
+        session.feed(list(range(len(live))), [chunks[i] for i in going])
     return trajs
 
 

@@ -118,3 +118,19 @@ def test_report_writes_the_table_and_the_gap(tmp_path):
     assert "1 of 2 test tasks are never solved" in md
     csv = (tmp_path / "compare.csv").read_text().splitlines()
     assert len(csv) == 1 + 2 * len(evaluate.METHODS) and csv[0].startswith("method,seed,p@1")
+
+
+@pytest.mark.slow
+def test_quick_comparison_end_to_end(tmp_path):
+    """`python evaluate.py compare --quick` trains all five methods and writes the table (about 5 minutes)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(evaluate.__file__).parent
+    subprocess.run([sys.executable, "evaluate.py", "compare", "--quick", "--seeds", "0", "--out", str(tmp_path)],
+                   cwd=root, check=True)
+    md = (tmp_path / "compare.md").read_text()
+    for name in evaluate.METHODS:
+        assert f"| {name} |" in md
+    assert "RTI minus GRPO p@1 per seed:" in md
+    assert len((tmp_path / "compare.csv").read_text().splitlines()) == 1 + len(evaluate.METHODS)

@@ -92,15 +92,22 @@ class Query:
 
 
 class RecordingSession(rti.DecodeSession):
-    """A DecodeSession that also keeps the token ids of each row (what the model has seen)."""
+    """A DecodeSession that also keeps the token ids of each row (what the model has seen) and the row's number when
+    the session started (rows are renumbered when finished ones leave)."""
     def __init__(self, model, prefixes, pad_id, seeds=None):
         self.tokens = [[] for _ in prefixes]
+        self.origin = list(range(len(prefixes)))
         super().__init__(model, prefixes, pad_id, seeds)
 
     def feed(self, rows, chunks):
         for r, c in zip(rows, chunks):
             self.tokens[r] += list(c)
         super().feed(rows, chunks)
+
+    def keep(self, rows):
+        self.tokens = [self.tokens[r] for r in rows]
+        self.origin = [self.origin[r] for r in rows]
+        super().keep(rows)
 
     def retract(self, row, n_tokens):
         del self.tokens[row][len(self.tokens[row]) - n_tokens:]
@@ -160,7 +167,7 @@ class ScriptedPolicy(rti.Policy):
                     ref = self.model(input_ids=torch.tensor([ctx])).logits[0, -1]
                 assert torch.allclose(session.last_logits[r], ref, atol=1e-4)
             task, actions = self.episode(ctx)
-            ids = (self.chat.ids(self.plan(r, task, actions)) + [self.chat.eos_id])[:max_new]
+            ids = (self.chat.ids(self.plan(session.origin[r], task, actions)) + [self.chat.eos_id])[:max_new]
             ids_out.append(ids)
             logp_out.append(turn_logp(len(actions), len(ids)))
             self.turn_calls.append((ctx, ids, logp_out[-1]))

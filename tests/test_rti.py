@@ -84,6 +84,28 @@ def test_session_with_holes_matches_each_sequence_alone(tiny):
         assert torch.allclose(s.last_logits[i], ref, atol=1e-4)
 
 
+def test_keep_drops_rows_and_their_hole_columns(tiny):
+    """After keep(), the kept rows compute exactly what they would alone, and columns only dropped rows used are gone."""
+    model, tok = tiny
+    rng = random.Random(1)
+    seqs = [[rng.randrange(4, len(tok)) for _ in range(n)] for n in (4, 11, 6)]
+    s = rti.DecodeSession(model, seqs, tok.pad_token_id, seeds=[10, 11, 12])
+    s.feed([0, 1, 2], [[7], [8, 9, 10, 11, 12], [13]])
+    assert s.mask.shape == (3, 16)     # 11 prefix columns + 5 for the second feed
+    s.keep([2, 0])                      # row 1, the longest, leaves; row 2 becomes row 0
+    assert s.mask.shape == (2, 7) and s.n == 2   # row 2's 6 + 1 columns; row 0's lie among them
+    assert [len(r) for r in s.real_slots] == [7, 5]
+    s.feed([0, 1], [[14, 15], [16]])
+    for row, full in ((0, seqs[2] + [13, 14, 15]), (1, seqs[0] + [7, 16])):
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([full])).logits[0, -1]
+        assert torch.allclose(s.last_logits[row], ref, atol=1e-4)
+    assert torch.equal(s.length, torch.tensor([9, 6]))
+    # the sampling streams moved with their rows
+    g = torch.Generator().manual_seed(12)
+    assert torch.equal(torch.rand(3, generator=s.gens[0]), torch.rand(3, generator=g))
+
+
 def test_retract_restores_the_state_before_a_turn(tiny):
     model, tok = tiny
     policy = make_policy(tiny, seed=3)
