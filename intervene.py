@@ -243,7 +243,7 @@ def intervene(policy, trajs: list, cfg: RTIConfig, make_env=None) -> tuple[list,
     Trigger: group g is intervened on iff max_i r_i = 0. Only the first `intervene_per_group` trajectories of a
     triggered group (default half) are corrected, so a group whose corrections all succeed keeps a reward spread."""
     import envs as envs_module
-    make_env = make_env or envs_module.Navigation
+    make_env = make_env or (lambda task: envs_module.make_env(task, getattr(policy, "user", None)))
     validator, corrector, verifier = make_roles(policy, cfg)
     stats = Stats()
     groups: dict[int, list[int]] = {}
