@@ -889,6 +889,7 @@ class Tau2Env(Env):
 
 class Tau2Telecom(Tau2Env):
     domain = "telecom"
+    messages_allowed = False       # solo mode: no user to talk to
 
 
 class Tau2Airline(Tau2Env):
