@@ -22,6 +22,10 @@ observations, step-check reasons, hints, rubric text, the actions themselves) is
 
 Coordinates are (row, col) with row 0 at the top; "up" decreases the row.
 Run `python envs.py` to print a sample task, its render and the split statistics.
+
+The second half of the file adapts the real tau2-bench domains (telecom, airline, retail) to the same interface
+(`Tau2Env`, optional: it needs the tau2 package, see TAU2_INSTALL); `make_env(task)` and `env_tasks(name, split)`
+pick the environment. `python envs.py tau2-telecom` replays every base task's expected actions and times the scoring.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import json
 import logging
 import random
 import re
+import sys
 from collections import deque
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -931,7 +936,26 @@ def make_env(task, user=None) -> Env:
     return Navigation(task)
 
 
-if __name__ == "__main__":  # python envs.py: a sample task and the split statistics
+def replay_gold(name: str, split: str = "base") -> None:
+    """`python envs.py tau2-telecom [split]`: replay every task's expected actions (optimal_action) through the
+    adapter; print how many score 1 and the scoring time per task."""
+    import time
+    tasks, wins, seconds = env_tasks(name, split), 0, []
+    for task in tasks:
+        env = make_env(task)
+        env.reset()
+        while not env.done:
+            env.step(env.optimal_action())
+        t0 = time.perf_counter()
+        wins += env.score().success
+        seconds.append(time.perf_counter() - t0)
+    print(f"{name} {split}: gold replay scores 1 on {wins} of {len(tasks)} tasks; scoring "
+          f"{1000 * sum(seconds) / len(seconds):.0f} ms a task on average (max {1000 * max(seconds):.0f} ms)")
+
+
+if __name__ == "__main__" and len(sys.argv) > 1:   # python envs.py tau2-telecom [split]
+    replay_gold(*sys.argv[1:3])
+elif __name__ == "__main__":  # python envs.py: a sample task and the split statistics
     task = make_tasks("test", n=1)[0]
     env, acts = Navigation(task), optimal_actions(task)
     print("first message:", env.reset())

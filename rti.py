@@ -787,7 +787,7 @@ def start_episodes(policy: Policy, tasks: list, group_size: int, seed: int | Non
     envs_, trajs = [], []
     for g, task in enumerate(tasks):
         for j in range(group_size):
-            env = envs.make_env(task, policy.user)
+            env = envs.make_env(task, getattr(policy, "user", None))
             first = env.reset()
             t = Trajectory(task=task, group=g, observations=[first], seed=episode_seed(seed, task.task_id, j))
             t.add(policy.chat.prompt_ids(first), 0, POLICY, None)

@@ -231,3 +231,27 @@ def test_tiny_model_run_on_telecom_completes(telecom, tmp_path):
     summary, per_task = evaluate.evaluate_checkpoint(str(tmp_path / "run" / "model"), "test", samples=4, tasks=1,
                                                      threads=1, env="tau2-telecom", per_task=True)
     assert len(per_task) == 1 and len(per_task[0]) == 4 and summary["pass@4"] == 0.0
+
+
+def test_model_user_sees_the_scenario_flipped_and_replays_the_same(tau2):
+    """The LLM user (rti.ModelUser, here a random tiny model) gets the scenario and the conversation with roles flipped;
+    greedy decoding gives the same reply on a replay, so intervene.py's replays see the same observations."""
+    import rti
+    model, tok = rti.load_model("tiny")
+    user = rti.ModelUser(model, tok, max_new=6)
+    seen = []
+    render = tok.apply_chat_template
+    tok.apply_chat_template = lambda msgs, **kw: seen.append(msgs) or render(msgs, **kw)
+    task = envs.env_tasks("tau2-retail", "test")[0]
+    env = envs.make_env(task, user)
+    first = env.reset()
+    obs, _ = env.step("What is your order number?")
+    system, *turns = seen[-1]
+    again = envs.make_env(task, user)
+    assert again.reset() == first and again.step("What is your order number?")[0] == obs
+    assert system["role"] == "system" and str(task.task.user_scenario) in system["content"]
+    assert [t["role"] for t in turns] == ["user", "assistant", "user"]              # agent -> user, user -> assistant
+    assert turns[0]["content"] == envs.GREETING and turns[-1]["content"] == "What is your order number?"
+    assert str(task.task.user_scenario) not in first or first == envs.USER_STOP        # the agent gets only replies
+    assert rti.make_user(rti.Config(env="tau2-retail", user_model="scripted"), None).__class__ is envs.ScriptedUser
+    assert rti.make_user(rti.Config(env="tau2-telecom"), None) is None
