@@ -806,7 +806,8 @@ class Tau2Env(Env):
     def check_step(self, action: str) -> StepCheck:
         """Invalid if: the episode is over; not a tool call (or a message in solo mode); `done` before the expected
         actions; an unknown tool; a write call that matches no expected action; a call that errors (tried on a
-        copy of the environment) and matches no expected action. The reason ends with the hint, which names the next expected action."""
+        copy of the environment) and matches no expected action. The reason ends with the hint, which names the
+        next expected action."""
         kind, what = self._kind(action)
         if self.done:
             why = "over the episode is over"

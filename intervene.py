@@ -116,7 +116,8 @@ class SelfCorrector:
 
     def rewrite(self, cases: list[Case]) -> list[Rewrite]:
         chat = self.policy.chat
-        contexts = [context_with(chat, c.traj, format_hint(c.reason, c.env.hint())) for c in cases]
+        contexts = [context_with(chat, c.traj, format_hint(c.reason, c.env.hint()),
+                                 getattr(c.env, "observation_role", None)) for c in cases]
         ids, logps = self.policy.generate(contexts, self.policy.max_turn_tokens)
         return [Rewrite(i, lp, chat.action_text(i)) for i, lp in zip(ids, logps)]
 
@@ -172,12 +173,12 @@ def ask(policy, prompts: list[str], max_new: int = 8) -> list[str]:
     return [policy.chat.text(i) for i in ids]
 
 
-def context_with(chat, traj, extra: str) -> list[int]:
-    """The episode's tokens with `extra` appended to its last user message."""
+def context_with(chat, traj, extra: str, role: str | None = None) -> list[int]:
+    """The episode's tokens with `extra` appended to its last user message (rendered as a `role` observation)."""
     content = traj.observations[-1] + " " + extra
     if not traj.turns:
         return chat.prompt_ids(content)
-    return traj.ids[:traj.turns[-1][1]] + chat.turn_ids(content)
+    return traj.ids[:traj.turns[-1][1]] + chat.turn_ids(content, role)
 
 
 def make_roles(policy, cfg: RTIConfig):

@@ -661,7 +661,7 @@ class Policy:
     def __init__(self, model, tok, temperature=1.0, top_p=1.0, max_turn_tokens=4, seed=0, micro_batch=64,
                  thinking=False, env="navigation", user=None):
         self.model, self.tok, self.chat = model, tok, Chat(tok, thinking, env)
-        self.user = user      # plays the user of tau2 airline / retail episodes (envs.make_env); None: the env's default
+        self.user = user      # plays the user of tau2 airline / retail episodes (envs.make_env); None: env default
         self.temperature, self.top_p, self.max_turn_tokens = temperature, top_p, max_turn_tokens
         self.micro_batch = micro_batch
         self.device = next(model.parameters()).device

@@ -186,7 +186,8 @@ def test_qwen3_chat_renders_tau2_tools_policy_and_user_turns(tau2):
     from test_scale import qwen3_style_tokenizer
     tok = qwen3_style_tokenizer()
     chat = rti.Chat(tok, env="tau2-retail")
-    assert chat.tools == envs.Tau2Retail.tools() and "<policy>" in chat.prompt_pre and "exchange_delivered_order_items" in chat.prompt_pre
+    assert chat.tools == envs.Tau2Retail.tools() and "<policy>" in chat.prompt_pre
+    assert '"name": "exchange_delivered_order_items"' in chat.prompt_pre
     env = envs.make_env(envs.env_tasks("tau2-retail", "test")[0])
     env.reset()
     call = env.optimal_action()
@@ -216,17 +217,17 @@ def test_env_flags_are_validated(tau2):
 
 
 def test_tiny_model_run_on_telecom_completes(telecom, tmp_path):
-    """Plumbing: a random tiny model (vocabulary from the domain's texts) trains one RTI step on telecom solo, with
+    """Plumbing: a random tiny model (vocabulary from the domain's texts) trains two RTI steps on telecom solo, with
     rule corrections that make successes, then evaluate.py evaluates the saved model on the test split."""
     import evaluate
     import rti
-    cfg = rti.Config(env="tau2-telecom", model="tiny", init="", steps=1, batch_tasks=2, group_size=2, eval_tasks=1,
+    cfg = rti.Config(env="tau2-telecom", model="tiny", init="", steps=2, batch_tasks=2, group_size=2, eval_tasks=1,
                      eval_samples=2, eval_before=False, out=str(tmp_path / "run"), progress=False, threads=1,
                      corrector="rule", ppl_gate=False, max_corrections=20)
     cfg.validate()
     res = rti.train(cfg)
     stats = res["interventions"]
-    assert stats["groups_triggered"] == 2 and stats["corrected_successes"] >= 1
+    assert stats["groups_triggered"] == 4 and stats["corrected_successes"] >= 1
     assert res["after"]["p@1"] == 0.0
     summary, per_task = evaluate.evaluate_checkpoint(str(tmp_path / "run" / "model"), "test", samples=4, tasks=1,
                                                      threads=1, env="tau2-telecom", per_task=True)
@@ -255,3 +256,25 @@ def test_model_user_sees_the_scenario_flipped_and_replays_the_same(tau2):
     assert str(task.task.user_scenario) not in first or first == envs.USER_STOP        # the agent gets only replies
     assert rti.make_user(rti.Config(env="tau2-retail", user_model="scripted"), None).__class__ is envs.ScriptedUser
     assert rti.make_user(rti.Config(env="tau2-telecom"), None) is None
+
+
+def test_user_replies_are_user_turns_in_rollouts_and_corrector_contexts(tau2):
+    """With a Qwen3 template, a random model's plain-text turns are messages to the (scripted) retail user; its
+    replies enter the sequence as user turns, and the self-corrector's context renders them the same way."""
+    import intervene
+    import rti
+    from test_scale import qwen3_style_tokenizer
+    tok = qwen3_style_tokenizer()
+    model = rti.build_tiny_model(len(tok), seed=0)
+    model.config.eos_token_id, model.config.pad_token_id = tok.eos_token_id, tok.pad_token_id
+    policy = rti.Policy(model, tok, max_turn_tokens=8, seed=0, env="tau2-retail", user=envs.ScriptedUser())
+    t = rti.rollout(policy, envs.env_tasks("tau2-retail", "test")[:1], 1, seed=0)[0]
+    assert envs.parse_call(t.actions[0]) is None and t.actions[0] and "invalid" not in t.actions[0]
+    reply = t.observations[1]
+    assert reply == "Yes, please go ahead." and f"<|im_start|>user\n{reply}<|im_end|>" in tok.decode(t.ids)
+    env = envs.make_env(t.task, policy.user)
+    env.reset()
+    env.step(t.actions[0])
+    ctx = intervene.context_with(policy.chat, t.truncated(1), "<hint> h </hint>", env.observation_role)
+    assert tok.decode(ctx).endswith(f"<|im_start|>user\n{reply} <hint> h </hint><|im_end|>\n"
+                                    "<|im_start|>assistant\n<think>\n\n</think>\n\n")
