@@ -1037,8 +1037,9 @@ def init_policy(cfg: Config, log=print) -> Policy:
 
 class ModelUser:
     """tau2's user simulator played in-process by a local chat model, for envs.Tau2Env: it gets the task's user
-    scenario (which the agent never sees) and tau2's rules for a simulated user, and decodes greedily, so replaying an
-    episode (intervene.py) gets the same replies. Roles are flipped: the agent's messages are its user turns."""
+    scenario (which the agent never sees) and short rules for a simulated user (ours, not tau2's user-simulator
+    prompt), and decodes greedily, so replaying an episode (intervene.py) gets the same replies. Roles are flipped:
+    the agent's messages are its user turns."""
     RULES = ("You are playing a customer who contacts a customer service agent. Follow the scenario below. Write only "
              "the customer's next message, short and natural. Do not make up information the scenario does not give; "
              "reveal information only when the agent asks for it. When the task is done, or the agent transfers you "
