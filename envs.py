@@ -604,21 +604,29 @@ def parse_call(action) -> tuple[str, dict] | None:
 
 
 def first_person(text: str) -> str:
-    """'You are Emma Kim. Your user id is x.' -> 'I am Emma Kim. My user id is x.' (for the scripted user)."""
-    swaps = {"you are": "I am", "you're": "I'm", "you were": "I was", "your": "my", "yours": "mine", "you": "I"}
+    """The scenario's second person as the user's first person (for the scripted user): 'you' is 'I' as a subject
+    (at a sentence start or after a conjunction) and 'me' otherwise.
+
+    >>> first_person("You are Emma Kim. Your agent told you that you were late.")
+    'I am Emma Kim. My agent told me that I was late.'
+    """
+    swaps = {"you are": "I am", "you're": "I'm", "you were": "I was", "your": "my", "yours": "mine"}
+    subject = r"(?:^|[.!?:]\s+|\b(?:that|and|but|if|when|because|so|as|since|where|think|thought)\s+)"
     pattern = re.compile(r"\b(" + "|".join(sorted(map(re.escape, swaps), key=len, reverse=True)) + r")\b", re.I)
     out = pattern.sub(lambda m: swaps[m.group(0).lower()], text)
+    out = re.sub(f"({subject})you\\b", lambda m: m.group(1) + "I", out, flags=re.I)
+    out = re.sub(r"\byou\b", "me", out, flags=re.I)
     return re.sub(r"(^|[.!?]\s+)([a-z])", lambda m: m.group(1) + m.group(2).upper(), out)
 
 
 class ScriptedUser:
     """The lower-fidelity fallback for tau2's LLM user simulator (airline, retail), deterministic and offline.
 
-    It opens with the scenario's reason for the call and known info in the first person (never the task
-    instructions or the unknown info: those script the user's behaviour), answers every agent message with
-    `reply`, which confirms what the agent proposes, and ends the conversation after `max_replies` replies. It
-    cannot answer questions, refuse, or follow the scenario's conditions: use an LLM user (rti.py --user-model)
-    for scores comparable with tau2-bench."""
+    It opens with the scenario's known info and the request in the first person: the first paragraph of the reason
+    for the call without its "If ..." sentences (never the later paragraphs, the task instructions or the unknown
+    info: they script the user's behaviour), answers every agent message with `reply`, which confirms what the agent
+    proposes, and ends the conversation after `max_replies` replies. It cannot answer questions, refuse, or follow
+    the scenario's conditions: use an LLM user (rti.py --user-model) for scores comparable with tau2-bench."""
 
     def __init__(self, reply: str = "Yes, please go ahead.", max_replies: int = 10):
         self.reply_text, self.max_replies = reply, max_replies
@@ -626,8 +634,10 @@ class ScriptedUser:
     def opening(self, task: Tau2Task) -> str:
         ins = task.task.user_scenario.instructions
         if isinstance(ins, str):
-            return first_person(ins)
-        return " ".join(first_person(x.strip()) for x in (ins.known_info, ins.reason_for_call) if x)
+            return first_person(ins.strip().split("\n\n")[0])
+        sentences = re.split(r"(?<=[.!?])\s+", ins.reason_for_call.strip().split("\n\n")[0])
+        request = " ".join(x for x in sentences if not x.lower().startswith("if "))
+        return " ".join(first_person(x.strip()) for x in (ins.known_info, request) if x)
 
     def reply(self, task: Tau2Task, messages: list) -> str:
         said = sum(getattr(m, "role", "") == "user" for m in messages)
