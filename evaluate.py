@@ -91,16 +91,22 @@ def format_table(rows: dict[str, dict[str, float]]) -> str:
 # ----------------------------------------------------------------------------- evaluating checkpoints
 
 def evaluate_checkpoint(model_dir: str, split: str = "test", samples: int = 4, tasks: int | None = None,
-                        seed: int = 0, temperature: float = 1.0, threads: int = 2, per_task: bool = False):
-    """pass@k / pass^k of a saved model (a directory written by rti.py) on a split, n = `samples` per task
-    (per_task=True: also each task's successes)."""
+                        seed: int = 0, temperature: float = 1.0, threads: int = 2, per_task: bool = False,
+                        env: str = "navigation", max_turn_tokens: int = 4, thinking: bool = False,
+                        user_model: str = "", device: str = "cpu"):
+    """pass@k / pass^k of a saved model (a directory written by rti.py, or any local chat model) on a split of an env,
+    n = `samples` per task (per_task=True: also each task's successes). For tau2 with a real model give the turn room
+    to write a tool call (max_turn_tokens of a few hundred); `user_model` plays tau2 airline / retail users
+    (rti.make_user: "" = the evaluated model, "scripted", or a directory)."""
     import torch
     import envs
     import rti
     torch.set_num_threads(threads)
     model, tok = rti.load_model(model_dir)
-    policy = rti.Policy(model, tok, temperature=temperature, seed=seed)
-    return rti.evaluate_policy(policy, envs.make_tasks(split)[:tasks], samples, seed=seed, per_task=per_task)
+    policy = rti.Policy(model.to(device), tok, temperature=temperature, max_turn_tokens=max_turn_tokens, seed=seed,
+                        thinking=thinking, env=env)
+    policy.user = rti.make_user(rti.Config(env=env, user_model=user_model, device=device), policy)
+    return rti.evaluate_policy(policy, envs.env_tasks(env, split)[:tasks], samples, seed=seed, per_task=per_task)
 
 
 # ----------------------------------------------------------------------------- the method comparison (Table 3)
@@ -368,7 +374,12 @@ def main(argv=None) -> None:
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("eval", help="evaluate a saved model directory on a split")
     e.add_argument("model", help="a model directory saved by rti.py (e.g. runs/demo/model or checkpoints/warmstart)")
-    e.add_argument("--split", default="test")
+    e.add_argument("--env", default="navigation", help="navigation | tau2-telecom | tau2-airline | tau2-retail")
+    e.add_argument("--split", default="test", help="a split of the env (tau2: test, train, base, ...)")
+    e.add_argument("--max-turn-tokens", type=int, default=4, help="new tokens per agent turn (tau2: e.g. 512)")
+    e.add_argument("--thinking", action="store_true", help="Qwen3 thinking mode")
+    e.add_argument("--user-model", default="", help="tau2 airline/retail user: '' = the model, 'scripted', a dir")
+    e.add_argument("--device", default="cpu")
     e.add_argument("--samples", type=int, default=4)
     e.add_argument("--tasks", type=int, default=None, help="first N tasks of the split (default: all)")
     e.add_argument("--seed", type=int, default=0)
@@ -390,11 +401,17 @@ def main(argv=None) -> None:
         bench(args.model, args.tasks, args.group, args.repeats, args.threads)
     elif args.command == "eval":
         import envs
-        if args.split not in envs.SPLITS:
-            p.error(f"--split: unknown split {args.split!r}; known: {sorted(envs.SPLITS)}")
+        try:
+            splits = envs.env_splits(args.env)
+        except (ValueError, ImportError) as e:
+            p.error(f"--env: {e}")
+        if args.split not in splits:
+            p.error(f"--split: unknown split {args.split!r} of {args.env}; known: {sorted(splits)}")
         if args.samples < K_MAX:
             p.error(f"--samples: need at least {K_MAX} samples per task for pass@1..{K_MAX}, got {args.samples}")
-        res = evaluate_checkpoint(args.model, args.split, args.samples, args.tasks, args.seed, threads=args.threads)
+        res = evaluate_checkpoint(args.model, args.split, args.samples, args.tasks, args.seed, threads=args.threads,
+                                  env=args.env, max_turn_tokens=args.max_turn_tokens, thinking=args.thinking,
+                                  user_model=args.user_model, device=args.device)
         print(format_table({args.model: res}))
     elif args.command == "compare":
         compare(args.seeds, args.out, args.quick, args.jobs, [a for a in args.extra if a != "--"])

@@ -116,7 +116,8 @@ class SelfCorrector:
 
     def rewrite(self, cases: list[Case]) -> list[Rewrite]:
         chat = self.policy.chat
-        contexts = [context_with(chat, c.traj, format_hint(c.reason, c.env.hint())) for c in cases]
+        contexts = [context_with(chat, c.traj, format_hint(c.reason, c.env.hint()),
+                                 getattr(c.env, "observation_role", None)) for c in cases]
         ids, logps = self.policy.generate(contexts, self.policy.max_turn_tokens)
         return [Rewrite(i, lp, chat.action_text(i)) for i, lp in zip(ids, logps)]
 
@@ -172,12 +173,12 @@ def ask(policy, prompts: list[str], max_new: int = 8) -> list[str]:
     return [policy.chat.text(i) for i in ids]
 
 
-def context_with(chat, traj, extra: str) -> list[int]:
-    """The episode's tokens with `extra` appended to its last user message."""
+def context_with(chat, traj, extra: str, role: str | None = None) -> list[int]:
+    """The episode's tokens with `extra` appended to its last user message (rendered as a `role` observation)."""
     content = traj.observations[-1] + " " + extra
     if not traj.turns:
         return chat.prompt_ids(content)
-    return traj.ids[:traj.turns[-1][1]] + chat.turn_ids(content)
+    return traj.ids[:traj.turns[-1][1]] + chat.turn_ids(content, role)
 
 
 def make_roles(policy, cfg: RTIConfig):
@@ -243,7 +244,7 @@ def intervene(policy, trajs: list, cfg: RTIConfig, make_env=None) -> tuple[list,
     Trigger: group g is intervened on iff max_i r_i = 0. Only the first `intervene_per_group` trajectories of a
     triggered group (default half) are corrected, so a group whose corrections all succeed keeps a reward spread."""
     import envs as envs_module
-    make_env = make_env or envs_module.Navigation
+    make_env = make_env or (lambda task: envs_module.make_env(task, getattr(policy, "user", None)))
     validator, corrector, verifier = make_roles(policy, cfg)
     stats = Stats()
     groups: dict[int, list[int]] = {}

@@ -48,6 +48,8 @@ class Config:
     seed: int = 0
     threads: int = 2                    # torch CPU threads (2 measured faster than 1 here for these batch sizes)
     # tasks and sampling
+    env: str = "navigation"             # "navigation" | "tau2-telecom" | "tau2-airline" | "tau2-retail" (envs.ENVS)
+    user_model: str = ""                # tau2 airline/retail user: "" = the policy model, "scripted", or a directory
     train_split: str = "train"
     test_split: str = "test"
     batch_tasks: int = 16               # B tasks per step
@@ -153,9 +155,22 @@ class Config:
                 bad(name, f"must be one of {ok}, got {getattr(self, name)!r}")
         if self.model != "tiny" and not Path(self.model).is_dir():
             bad("model", f"{self.model!r} is neither 'tiny' nor a local model directory (nothing is downloaded)")
+        if self.env not in envs.ENVS:
+            bad("env", f"must be one of {list(envs.ENVS)}, got {self.env!r}")
+        try:
+            splits = envs.env_splits(self.env)
+        except ImportError as e:
+            bad("env", str(e))
         for name in ("train_split", "test_split", "ws_split"):
-            if getattr(self, name) not in envs.SPLITS:
-                bad(name, f"unknown split {getattr(self, name)!r}; known: {sorted(envs.SPLITS)}")
+            known = envs.SPLITS if name == "ws_split" else splits
+            if getattr(self, name) not in known:
+                bad(name, f"unknown split {getattr(self, name)!r} of {self.env if name != 'ws_split' else 'navigation'}"
+                          f"; known: {sorted(known)}")
+        if self.env != "navigation" and self.model == "tiny" and self.init:
+            bad("init", f"the tiny warm start is a Navigation model; with --env {self.env} pass --init '' (a random "
+                        "tiny model, a plumbing check) or --model PATH (a local chat model)")
+        if self.user_model not in ("", "scripted") and not Path(self.user_model).is_dir():
+            bad("user_model", f"{self.user_model!r} is neither '', 'scripted' nor a local model directory")
         self.loss_config()  # loss.py validates its own fields
         self.validate_scale()
 
@@ -250,11 +265,12 @@ def build_tiny_model(vocab_size: int, seed: int = 0):
     return Qwen3ForCausalLM(cfg)
 
 
-def load_model(path_or_tiny: str, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """`tiny` builds model + tokenizer from scratch; a directory loads any local Hugging Face causal LM (no download)."""
+def load_model(path_or_tiny: str, seed: int = 0, dtype: torch.dtype = torch.float32, env: str = "navigation"):
+    """`tiny` builds model + tokenizer (over the words of `env`) from scratch; a directory loads any local Hugging Face
+    causal LM (no download)."""
     if path_or_tiny == "tiny":
         import intervene
-        tok = build_tiny_tokenizer(envs.Navigation.vocabulary() + intervene.PROMPT_WORDS)
+        tok = build_tiny_tokenizer(envs.env_class(env).vocabulary() + intervene.PROMPT_WORDS)
         return build_tiny_model(len(tok), seed).to(dtype), tok
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if not Path(path_or_tiny).is_dir():
@@ -443,30 +459,39 @@ class Chat:
 
     A training sequence is: prompt_ids(first message) + [agent ids ... <eos>] + turn_ids(observation) + [agent ...] ...
     The agent's ids are kept exactly as sampled; only prompt and observation text is tokenized.
-    A chat template that takes tools (a real model such as Qwen3) gets the env's actions as tools, its observations
-    come back as tool messages and a turn's action is its parsed tool call; the tiny template has no tools, and a
+    A chat template that takes tools (a real model such as Qwen3) gets the env's actions as tools and the env's system
+    prompt (tau2: instructions and the domain policy), its observations come back as tool messages (a tau2 user's
+    replies as user messages) and a turn's action is its parsed tool call; the tiny template has no tools, and a
     turn's text is the action itself. `thinking` is passed to the template as enable_thinking (Qwen3's switch).
     """
 
-    def __init__(self, tok, thinking: bool = False):
+    def __init__(self, tok, thinking: bool = False, env: str = "navigation"):
         self.tok = tok
+        self.env_cls = envs.env_class(env)
         self.eos_id = tok.eos_token_id
         eos = tok.eos_token
-        self.tools = envs.Navigation.tools() if "tools" in (tok.chat_template or "") else None
+        self.tools = self.env_cls.tools() if "tools" in (tok.chat_template or "") else None
+        system = self.env_cls.system_prompt() if self.tools else ""
+        head = [{"role": "system", "content": system}] if system else []
         kwargs = {"enable_thinking": thinking, **({"tools": self.tools} if self.tools else {})}
         mark, reply = "\x00MSG\x00", "\x00REPLY\x00"
-        render = lambda msgs: tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
+        render = lambda msgs: tok.apply_chat_template(head + msgs, tokenize=False, add_generation_prompt=True,
+                                                      **kwargs)
         first = render([{"role": "user", "content": mark}])
         self.prompt_pre, self.prompt_post = first.split(mark)
-        turn = render([{"role": "user", "content": "x"}, {"role": "assistant", "content": reply},
-                       {"role": "tool" if self.tools else "user", "content": mark}])
-        # The agent's turn ends with its sampled eos; what follows is what the template writes after it. Earlier turns
-        # are never re-rendered, so a template that renders history differently (Qwen3 drops the empty think block of
-        # past turns) still gives the tokens the model saw when it sampled.
-        end = turn.find(eos, turn.find(reply))
-        if reply not in turn or end < 0:
-            raise ValueError(f"chat template does not close an assistant turn with the eos token {eos!r}")
-        self.turn_pre, self.turn_post = turn[end + len(eos):].split(mark)
+
+        def after_turn(role):
+            turn = render([{"role": "user", "content": "x"}, {"role": "assistant", "content": reply},
+                           {"role": role, "content": mark}])
+            # The agent's turn ends with its sampled eos; what follows is what the template writes after it. Earlier
+            # turns are never re-rendered, so a template that renders history differently (Qwen3 drops the empty
+            # think block of past turns) still gives the tokens the model saw when it sampled.
+            end = turn.find(eos, turn.find(reply))
+            if reply not in turn or end < 0:
+                raise ValueError(f"chat template does not close an assistant turn with the eos token {eos!r}")
+            return turn[end + len(eos):].split(mark)
+        self.turn_pre, self.turn_post = after_turn("tool" if self.tools else "user")
+        self.user_turn = after_turn("user")      # a tau2 user's reply
 
     def ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False).input_ids
@@ -474,9 +499,11 @@ class Chat:
     def prompt_ids(self, content: str) -> list[int]:
         return self.ids(self.prompt_pre + content + self.prompt_post)
 
-    def turn_ids(self, content: str) -> list[int]:
-        """Ids that follow the agent's eos: the next user message and the assistant header."""
-        return self.ids(self.turn_pre + content + self.turn_post)
+    def turn_ids(self, content: str, role: str | None = None) -> list[int]:
+        """Ids that follow the agent's eos: the next observation (role "user": a user's message) and the assistant
+        header."""
+        pre, post = self.user_turn if role == "user" else (self.turn_pre, self.turn_post)
+        return self.ids(pre + content + post)
 
     def text(self, agent_ids: list[int]) -> str:
         """An agent turn as text, without its eos and special tokens."""
@@ -484,29 +511,34 @@ class Chat:
 
     def action_text(self, agent_ids: list[int]) -> str:
         """The env action a turn spells: its text (tiny model), or its parsed tool call (a template with tools)."""
-        return parse_tool_call(self.text(agent_ids)) if self.tools else self.text(agent_ids)
+        return parse_tool_call(self.text(agent_ids), self.env_cls) if self.tools else self.text(agent_ids)
 
     def action_ids(self, action: str) -> list[int]:
         """Ids of a turn (without eos) that performs `action`: the action text, or the tool call for it."""
-        return self.ids(format_tool_call(action) if self.tools else action)
+        return self.ids(format_tool_call(action, self.env_cls) if self.tools else action)
 
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
-def format_tool_call(action: str) -> str:
-    """'move up' -> '<tool_call>\\n{"name": "move", "arguments": {"direction": "up"}}\\n</tool_call>' (as Qwen3)."""
-    return f"<tool_call>\n{json.dumps(envs.Navigation.call_from_action(action))}\n</tool_call>"
+def format_tool_call(action: str, env_cls=envs.Navigation) -> str:
+    """'move up' -> '<tool_call>\\n{"name": "move", "arguments": {"direction": "up"}}\\n</tool_call>' (as Qwen3); an
+    action that is no call (a message to a tau2 user) is written as it is."""
+    call = env_cls.call_from_action(action)
+    return action if call is None else f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
-def parse_tool_call(text: str) -> str:
+def parse_tool_call(text: str, env_cls=envs.Navigation) -> str:
     """The env action of an agent turn written as a Qwen3 / Hermes tool call, `<tool_call>{"name": ..., "arguments":
     {...}}</tool_call>`. Exactly one complete call of a known tool with valid arguments gives its action ('move up');
     anything else (no call, a truncated one, bad JSON, an unknown tool or argument, two calls) gives 'invalid tool
     call: <why>', which the env answers with an error observation. Never raises. Text around the call, a think block
-    included, is ignored; `arguments` may also be a JSON string (some models write it so)."""
+    included, is ignored; `arguments` may also be a JSON string (some models write it so). With an env whose agent
+    may talk (`messages_allowed`: tau2 airline, retail), a turn without any tool call is a message: its text."""
     body = text.split("</think>")[-1]
     calls = TOOL_CALL.findall(body)
+    if not calls and "<tool_call>" not in body and body.strip() and getattr(env_cls, "messages_allowed", False):
+        return body.strip()
     if len(calls) != 1:
         why = (f"{len(calls)} calls in one turn" if calls else
                "unterminated <tool_call>" if "<tool_call>" in body else "no <tool_call> block")
@@ -519,7 +551,7 @@ def parse_tool_call(text: str) -> str:
         return "invalid tool call: malformed JSON"
     if args is None:
         return "invalid tool call: not a JSON object"
-    action = envs.Navigation.action_from_call(call.get("name"), args)
+    action = env_cls.action_from_call(call.get("name"), args)
     return action or f"invalid tool call: unknown tool or arguments {json.dumps(call)[:80]}"
 
 
@@ -647,8 +679,9 @@ class Policy:
     """What intervene.py and evaluate.py need from a model: chat pieces, batched sampling, log-prob scoring."""
 
     def __init__(self, model, tok, temperature=1.0, top_p=1.0, max_turn_tokens=4, seed=0, micro_batch=64,
-                 thinking=False):
-        self.model, self.tok, self.chat = model, tok, Chat(tok, thinking)
+                 thinking=False, env="navigation", user=None):
+        self.model, self.tok, self.chat = model, tok, Chat(tok, thinking, env)
+        self.user = user      # plays the user of tau2 airline / retail episodes (envs.make_env); None: env default
         self.temperature, self.top_p, self.max_turn_tokens = temperature, top_p, max_turn_tokens
         self.micro_batch = micro_batch
         self.device = next(model.parameters()).device
@@ -756,7 +789,7 @@ class Trajectory:
             self.reward, self.rubric = float(result.success), dict(result.items)
             return None
         self.observations.append(obs)
-        chunk = chat.turn_ids(obs)
+        chunk = chat.turn_ids(obs, getattr(env, "observation_role", None))
         self.add(chunk, 0, POLICY, None)
         return ([chat.eos_id] if agent_ids[-1:] != [chat.eos_id] else []) + chunk
 
@@ -774,7 +807,7 @@ def start_episodes(policy: Policy, tasks: list, group_size: int, seed: int | Non
     envs_, trajs = [], []
     for g, task in enumerate(tasks):
         for j in range(group_size):
-            env = envs.Navigation(task)
+            env = envs.make_env(task, getattr(policy, "user", None))
             first = env.reset()
             t = Trajectory(task=task, group=g, observations=[first], seed=episode_seed(seed, task.task_id, j))
             t.add(policy.chat.prompt_ids(first), 0, POLICY, None)
@@ -1016,10 +1049,64 @@ def init_policy(cfg: Config, log=print) -> Policy:
             warmstart(cfg, log)
         model, tok = load_model(cfg.init, dtype=weight_dtype(cfg))
     else:
-        model, tok = load_model(cfg.model, cfg.seed, weight_dtype(cfg))
+        model, tok = load_model(cfg.model, cfg.seed, weight_dtype(cfg), cfg.env)
     model = prepare_model(model, cfg)
-    return Policy(model, tok, cfg.temperature, cfg.top_p, cfg.max_turn_tokens, cfg.seed + rank(), cfg.micro_batch,
-                  cfg.thinking)
+    policy = Policy(model, tok, cfg.temperature, cfg.top_p, cfg.max_turn_tokens, cfg.seed + rank(), cfg.micro_batch,
+                    cfg.thinking, cfg.env)
+    policy.user = make_user(cfg, policy)
+    return policy
+
+
+# ----------------------------------------------------------------------------- the user of tau2 airline and retail
+
+class ModelUser:
+    """tau2's user simulator played in-process by a local chat model, for envs.Tau2Env: it gets the task's user
+    scenario (which the agent never sees) and short rules for a simulated user (ours, not tau2's user-simulator
+    prompt), and decodes greedily, so replaying an episode (intervene.py) gets the same replies. Roles are flipped:
+    the agent's messages are its user turns."""
+    RULES = ("You are playing a customer who contacts a customer service agent. Follow the scenario below. Write only "
+             "the customer's next message, short and natural. Do not make up information the scenario does not give; "
+             "reveal information only when the agent asks for it. When the task is done, or the agent transfers you "
+             f"to a human, or you want to end the conversation, reply with {envs.USER_STOP}.\n<scenario>\n{{scenario}}"
+             "\n</scenario>")
+
+    def __init__(self, model, tok, max_new: int = 256):
+        self.model, self.tok, self.max_new = model, tok, max_new
+
+    @torch.no_grad()
+    def say(self, task, turns: list[dict]) -> str:
+        msgs = [{"role": "system", "content": self.RULES.format(scenario=task.task.user_scenario)}] + turns
+        text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        dev = next(self.model.parameters()).device
+        ids = torch.tensor([self.tok(text, add_special_tokens=False).input_ids], device=dev)
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new,
+                                  do_sample=False, pad_token_id=self.tok.pad_token_id)
+        self.model.train(was_training)
+        reply = self.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split("</think>")[-1].strip()
+        return reply or envs.USER_STOP
+
+    def opening(self, task) -> str:
+        return self.say(task, [{"role": "user", "content": envs.GREETING}])
+
+    def reply(self, task, messages: list) -> str:
+        flip = {"assistant": "user", "user": "assistant"}
+        turns = [{"role": flip[m.role], "content": m.content} for m in messages
+                 if m.role in flip and getattr(m, "content", None)]
+        return self.say(task, turns)
+
+
+def make_user(cfg: Config, policy: Policy):
+    """The user of tau2 airline / retail episodes (--user-model); None for the other envs."""
+    if cfg.env not in ("tau2-airline", "tau2-retail"):
+        return None
+    if cfg.user_model == "scripted":
+        return envs.ScriptedUser()
+    if not cfg.user_model:
+        return ModelUser(policy.model, policy.tok)
+    model, tok = load_model(cfg.user_model, dtype=weight_dtype(cfg))
+    return ModelUser(model.to(policy.device), tok)
 
 
 def save_checkpoint(path: Path, policy: Policy, opt, step: int, task_rng: random.Random, cfg: Config) -> None:
@@ -1124,8 +1211,8 @@ def train(cfg: Config, log=print) -> dict:
     policy = init_policy(cfg, log)
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay)
-    train_tasks = envs.make_tasks(cfg.train_split)
-    test_tasks = envs.make_tasks(cfg.test_split)[:cfg.eval_tasks]
+    train_tasks = envs.env_tasks(cfg.env, cfg.train_split)
+    test_tasks = envs.env_tasks(cfg.env, cfg.test_split)[:cfg.eval_tasks]
     task_rng = random.Random(cfg.seed)
     step, ckpt = 0, out / "ckpt.pt"
     results = {}
