@@ -122,7 +122,7 @@ def test_report_writes_the_table_and_the_gap(tmp_path):
 
 @pytest.mark.slow
 def test_quick_comparison_end_to_end(tmp_path):
-    """`python evaluate.py compare --quick` trains all five methods and writes the table (about 5 minutes)."""
+    """`python evaluate.py compare --quick` trains all five methods and writes the table (about 1.5 minutes)."""
     import subprocess
     import sys
     from pathlib import Path
