@@ -84,6 +84,9 @@ class Env(abc.ABC):
     done: bool
     turns: int
     actions: list[str]
+    observation_role: str | None = None   # chat role of the latest observation: None = the template's default (tool
+                                          # or user message); tau2 airline / retail set "user" for a user's reply
+    messages_allowed = False              # may the agent write plain text (a message to a user) instead of a call
 
     @abc.abstractmethod
     def reset(self) -> str:
@@ -798,20 +801,23 @@ class Tau2Env(Env):
                 items[f"communicate {info}"] = info not in unsaid
         return RubricResult(items)
 
+    def _next(self) -> tuple[str, str]:
+        """What the criteria expect next: ("call", the next expected action, in order), then ("tell", what the user
+        must still be told), then ("stop", the `done` call)."""
+        k = self._progress()
+        if k < len(self.gold):
+            return "call", canonical_call(self.gold[k].name, self.gold[k].arguments)
+        unsaid = self._unsaid()
+        return ("tell", "; ".join(unsaid)) if unsaid else ("stop", canonical_call(STOP_TOOL, {}))
+
     def optimal_action(self) -> str:
         """The next expected action (in order), then a message with what the user must be told, then `done`."""
-        k = self._progress()
-        if k < len(self.gold):
-            return canonical_call(self.gold[k].name, self.gold[k].arguments)
-        unsaid = self._unsaid()
-        return "; ".join(unsaid) if unsaid else canonical_call(STOP_TOOL, {})
+        return self._next()[1]
 
     def hint(self) -> str:
-        k = self._progress()
-        if k < len(self.gold):
-            return f"next expected action {canonical_call(self.gold[k].name, self.gold[k].arguments)}"
-        unsaid = self._unsaid()
-        return f"tell the user: {'; '.join(unsaid)}" if unsaid else f"all expected actions done; call {STOP_TOOL}"
+        kind, text = self._next()
+        return {"call": f"next expected action {text}", "tell": f"tell the user: {text}",
+                "stop": f"all expected actions done; call {STOP_TOOL}"}[kind]
 
     def check_step(self, action: str) -> StepCheck:
         """Invalid if: the episode is over; not a tool call (or a message in solo mode); `done` before the expected
@@ -826,7 +832,7 @@ class Tau2Env(Env):
         elif kind == "message":
             return StepCheck(True)
         elif kind == "stop":
-            if self.optimal_action() == canonical_call(STOP_TOOL, {}):
+            if self._next()[0] == "stop":
                 return StepCheck(True)
             why = f"early {STOP_TOOL} before the task is complete"
         else:

@@ -116,8 +116,8 @@ class SelfCorrector:
 
     def rewrite(self, cases: list[Case]) -> list[Rewrite]:
         chat = self.policy.chat
-        contexts = [context_with(chat, c.traj, format_hint(c.reason, c.env.hint()),
-                                 getattr(c.env, "observation_role", None)) for c in cases]
+        contexts = [context_with(chat, c.traj, format_hint(c.reason, c.env.hint()), c.env.observation_role)
+                    for c in cases]
         ids, logps = self.policy.generate(contexts, self.policy.max_turn_tokens)
         return [Rewrite(i, lp, chat.action_text(i)) for i, lp in zip(ids, logps)]
 

@@ -491,7 +491,7 @@ class Chat:
                 raise ValueError(f"chat template does not close an assistant turn with the eos token {eos!r}")
             return turn[end + len(eos):].split(mark)
         self.turn_pre, self.turn_post = after_turn("tool" if self.tools else "user")
-        self.user_turn = after_turn("user")      # a tau2 user's reply
+        self.user_turn = after_turn("user") if self.tools else (self.turn_pre, self.turn_post)   # a user's reply
 
     def ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False).input_ids
@@ -537,7 +537,7 @@ def parse_tool_call(text: str, env_cls=envs.Navigation) -> str:
     may talk (`messages_allowed`: tau2 airline, retail), a turn without any tool call is a message: its text."""
     body = text.split("</think>")[-1]
     calls = TOOL_CALL.findall(body)
-    if not calls and "<tool_call>" not in body and body.strip() and getattr(env_cls, "messages_allowed", False):
+    if not calls and "<tool_call>" not in body and body.strip() and env_cls.messages_allowed:
         return body.strip()
     if len(calls) != 1:
         why = (f"{len(calls)} calls in one turn" if calls else
@@ -789,7 +789,7 @@ class Trajectory:
             self.reward, self.rubric = float(result.success), dict(result.items)
             return None
         self.observations.append(obs)
-        chunk = chat.turn_ids(obs, getattr(env, "observation_role", None))
+        chunk = chat.turn_ids(obs, env.observation_role)
         self.add(chunk, 0, POLICY, None)
         return ([chat.eos_id] if agent_ids[-1:] != [chat.eos_id] else []) + chunk
 
@@ -807,7 +807,7 @@ def start_episodes(policy: Policy, tasks: list, group_size: int, seed: int | Non
     envs_, trajs = [], []
     for g, task in enumerate(tasks):
         for j in range(group_size):
-            env = envs.make_env(task, getattr(policy, "user", None))
+            env = envs.make_env(task, policy.user)
             first = env.reset()
             t = Trajectory(task=task, group=g, observations=[first], seed=episode_seed(seed, task.task_id, j))
             t.add(policy.chat.prompt_ids(first), 0, POLICY, None)
