@@ -951,13 +951,15 @@ def progress(it, enabled: bool, desc: str):
     return tqdm(it, desc=desc, dynamic_ncols=True, file=sys.stderr)
 
 
-def collate(trajs: list[Trajectory], old_logp: list[list[float]], pad_id: int, device) -> dict:
-    """Right-padded [N, T] tensors of one batch of trajectories (attention mask by position, never by pad id)."""
+def collate(trajs: list[Trajectory], old_logp: list[list[float]] | None, pad_id: int, device) -> dict:
+    """Right-padded [N, T] tensors of one batch of trajectories (attention mask by position, never by pad id);
+    "old_logp" is None when old_logp is."""
     ids, attn = pad_right([t.ids for t in trajs], pad_id, device)
     tensor = lambda rows, dtype=torch.float32: pad_rows(rows, 0, dtype, device)   # noqa: E731
     return {"ids": ids, "attn": attn, "loss_mask": tensor([t.loss_mask for t in trajs]),
             "source": tensor([t.source for t in trajs], torch.long),
-            "behavior_logp": tensor([t.sample_logp for t in trajs]), "old_logp": tensor(old_logp)}
+            "behavior_logp": tensor([t.sample_logp for t in trajs]),
+            "old_logp": None if old_logp is None else tensor(old_logp)}
 
 
 def update(policy: Policy, opt, trajs: list[Trajectory], advantages: torch.Tensor, cfg: Config) -> dict:
@@ -971,10 +973,8 @@ def update(policy: Policy, opt, trajs: list[Trajectory], advantages: torch.Tenso
     loss is scaled by the world size because FSDP averages gradients over ranks. Metric `loss` is the batch's loss.
     """
     model, lcfg = policy.model, cfg.loss_config()
-    on_policy = cfg.updates_per_batch == 1   # pi_old is the policy being updated: its log-probs are this forward's
-    if on_policy:
-        old = [[0.0] * len(t.ids) for t in trajs]
-    else:
+    old = None                           # one update per batch: pi_old is the policy being updated, whose
+    if cfg.updates_per_batch > 1:        # log-probs are the update's own forward pass (detached)
         with full_params(model):
             old = policy.score([t.ids for t in trajs])
     model.train()
@@ -990,10 +990,11 @@ def update(policy: Policy, opt, trajs: list[Trajectory], advantages: torch.Tenso
         for i in range(0, n_micro * cfg.micro_batch, cfg.micro_batch):
             rows = trajs[i:i + cfg.micro_batch]
             adv = (advantages[i:i + cfg.micro_batch] if rows else torch.zeros(1)).to(policy.device)
-            mb = collate(rows or [empty], old[i:i + cfg.micro_batch] or [[0.0]], policy.tok.pad_token_id,
-                         policy.device)
+            mb = collate(rows or [empty], None if old is None else old[i:i + cfg.micro_batch] or [[0.0]],
+                         policy.tok.pad_token_id, policy.device)
             logp = token_logprobs(model, mb["ids"], mb["attn"], policy.temperature)
-            loss, m = rl_loss.policy_loss(logp, logp.detach() if on_policy else mb["old_logp"], adv, mb["loss_mask"], source=mb["source"],
+            old_logp = logp.detach() if old is None else mb["old_logp"]
+            loss, m = rl_loss.policy_loss(logp, old_logp, adv, mb["loss_mask"], source=mb["source"],
                                           behavior_logp=mb["behavior_logp"], config=lcfg)
             share = (mb["loss_mask"].sum().item() / max(1, n_tok) if cfg.agg == "token-mean"
                      else len(rows) / max(1, n_rows))

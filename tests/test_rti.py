@@ -184,6 +184,22 @@ def params(model):
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+def test_several_updates_score_pi_old_like_the_on_policy_forward(tiny, tmp_path):
+    """With --updates-per-batch > 1, pi_old comes from a separate scoring pass; with the weights held still (lr 0)
+    every update then sees ratio 1 and the loss of the single on-policy update, which takes pi_old from its own
+    forward pass. Uneven micro-batches (3 rows) check that the scored log-probs line up with their rows."""
+    policy = make_policy(tiny, seed=1)
+    trajs = rti.rollout(policy, easy_tasks(2), 4)
+    adv = torch.linspace(-1.0, 1.0, len(trajs))
+    out = {}
+    for n in (1, 2):
+        cfg = small_cfg(tmp_path, updates_per_batch=n, micro_batch=3)
+        out[n] = rti.update(policy, torch.optim.SGD(policy.model.parameters(), lr=0.0), trajs, adv, cfg)
+    assert out[1]["loss"] != 0.0
+    assert out[2]["loss"] == pytest.approx(out[1]["loss"], abs=1e-6)
+    assert out[2]["ratio_min"] == pytest.approx(1.0, abs=1e-4) and out[2]["ratio_max"] == pytest.approx(1.0, abs=1e-4)
+
+
 def test_one_training_step_changes_the_parameters(tmp_path):
     # an untrained model never succeeds; rule corrections on every step make some trajectories succeed
     cfg = small_cfg(tmp_path, method="rti", corrector="rule", max_corrections=100, ppl_gate=False,
