@@ -7,7 +7,7 @@ source, loss_mask are [B, T]; advantages [B] (one per row) or [B, T].
   source     POLICY (0) or INTERVENED (1): who wrote the token (policy, or the corrector).
   old_logp   log pi_old of each token, scored by the policy WITHOUT the rubric in context.
   behavior_logp  log mu: the corrector's log-prob when it wrote the token (rubric in context).
-Formulas marked "our reading" are not printed in the RTI paper (see DESIGN.md section 3).
+Formulas marked "our reading" are not printed in the RTI paper (the README's method table lists them).
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ LOG_RATIO_CLAMP = 20.0  # as verl: |log ratio| <= 20 keeps exp() finite, so back
 
 @dataclass
 class LossConfig:
-    """Flags of policy_loss. w_min / w_max / luffy_gamma defaults are our choice (the paper
-    prints none for the weights); __post_init__ raises ValueError naming a bad field."""
-    clip_low: float = 0.2        # eps_lo; DAPO-style asymmetric clip, as DESIGN.md section 3
+    """Flags of this file's functions. w_min / w_max / luffy_gamma defaults are our choice (the
+    paper prints none for the weights); __post_init__ raises ValueError("field: why") for a bad one."""
+    clip_low: float = 0.2        # eps_lo; DAPO-style asymmetric clip
     clip_high: float = 0.28      # eps_hi
     is_mode: str = "calibrated"  # "calibrated" | "behavior" | "luffy": ratio of INTERVENED tokens
     reweight: bool = True        # False = the paper's "w/o reweight" ablation: w_t = 1
@@ -39,14 +39,16 @@ class LossConfig:
     agg: str = "token-mean"      # "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum-norm"
     ratio_level: str = "token"   # "token" (GRPO/PPO) | "sequence" (GSPO)
     max_len: int | None = None   # normaliser of seq-mean-token-sum-norm; None = T of the batch
+    scale_advantages: bool = True  # group_advantages: divide by the group's std (False: Dr. GRPO)
 
     def __post_init__(self):
         for name, choices in (("is_mode", IS_MODES), ("agg", AGG_MODES), ("ratio_level", RATIO_LEVELS)):
             if getattr(self, name) not in choices:
-                raise ValueError(f"LossConfig.{name}={getattr(self, name)!r}; valid choices: {choices}")
+                raise ValueError(f"{name}: must be one of {choices}, got {getattr(self, name)!r}")
         checks = (("clip_low", 0 <= self.clip_low <= 1, "must be in [0, 1]"),
                   ("clip_high", 0 <= self.clip_high < math.inf, "must be finite and >= 0"),
                   ("reweight", isinstance(self.reweight, bool), "must be a bool"),
+                  ("scale_advantages", isinstance(self.scale_advantages, bool), "must be a bool"),
                   ("w_min", 0 <= self.w_min < math.inf, "must be finite and >= 0"),
                   ("w_max", self.w_max >= self.w_min, "must be >= w_min (inf allowed)"),
                   ("luffy_gamma", 0 < self.luffy_gamma < math.inf, "must be finite and > 0"),
@@ -54,7 +56,7 @@ class LossConfig:
                   ("max_len", self.max_len is None or self.max_len >= 1, "must be None or >= 1"))
         for name, ok, why in checks:  # NaN fails every comparison, so it is rejected too
             if not ok:
-                raise ValueError(f"LossConfig.{name}={getattr(self, name)!r} {why}")
+                raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
 
 
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, scale: bool = True) -> Tensor:
@@ -203,7 +205,7 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: T
                importance_ratios; w_t from token_weights on INTERVENED tokens when is_mode is
                "calibrated" and reweight, else 1. w_t > 0 sits outside the min: the clip decision
                is made on rho_t alone, w_t scales the token's update; this is our reading of
-               DESIGN's "weighted ratio rho~ = rho * w")
+               the weighted ratio rho~ = rho * w)
       loss_t = -f_t A                    INTERVENED tokens under is_mode "luffy" (no clip, w = 1)
       loss_t += kl_coef * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)   k3 KL, when kl_coef > 0
       loss = aggregate(loss_t, loss_mask, config.agg, config.max_len)

@@ -1,4 +1,4 @@
-"""Tests for envs.py: splits, rubric, step checks, robustness, replay, JSONL, vocabulary, render."""
+"""Tests for envs.py: splits, rubric, step checks, robustness, run_actions, JSONL, vocabulary, render."""
 import json
 import random
 from collections import deque
@@ -7,7 +7,7 @@ from dataclasses import asdict
 import pytest
 
 from envs import (ACTIONS, RUBRIC_ITEMS, RULES, SPLITS, NavTask, Navigation, load_tasks, make_tasks,
-                  optimal_actions, render, replay, save_tasks)
+                  optimal_actions, render, run_actions, save_tasks)
 
 STEP = {"move up": (-1, 0), "move down": (1, 0), "move left": (0, -1), "move right": (0, 1)}
 REVERSE = {"move up": "move down", "move down": "move up", "move left": "move right", "move right": "move left"}
@@ -48,7 +48,7 @@ def positions(task, actions):
 
 
 def items(task, actions):
-    return replay(task, actions).score().items
+    return run_actions(task, actions).score().items
 
 
 ALL_PASS = dict.fromkeys(RUBRIC_ITEMS, True)
@@ -140,7 +140,7 @@ def test_detours_within_slack_pass_and_past_max_turns_fail(splits):
         fits = [a, REVERSE[a]] * (slack // 2) + acts            # exactly max_turns turns
         assert items(t, fits) == ALL_PASS
         over = [a, REVERSE[a]] * (slack // 2 + 1) + acts        # 2 turns too many
-        env = replay(t, over)
+        env = run_actions(t, over)
         assert env.done and env.turns == t.max_turns and env.observations[-1].endswith("out of turns")
         got = env.score().items
         assert got["within_turn_limit"] is False and got["finished_at_goal"] is False
@@ -149,10 +149,10 @@ def test_detours_within_slack_pass_and_past_max_turns_fail(splits):
 
 def test_malformed_action_is_not_a_wall_hit():
     t = NavTask("t", 1, 3, [], [0, 0], [[0, 2]], 9)
-    env = replay(t, ["jump", "move right", "move right", "finish"])
+    env = run_actions(t, ["jump", "move right", "move right", "finish"])
     assert env.observations[0].startswith("error unknown action pos 0 0")
     assert env.score().items == ALL_PASS and env.turns == 4
-    env = replay(t, ["move up", "move right", "move right", "finish"])
+    env = run_actions(t, ["move up", "move right", "move right", "finish"])
     assert env.observations[0].startswith("error off grid pos 0 0")
     assert env.score().items["no_wall_hits"] is False
 
@@ -231,7 +231,7 @@ def test_step_check_rules():
     assert items(t, away) == {**ALL_PASS, "finished_at_goal": False}
 
 
-# ----------------------------------------------------------------------------- robustness, replay
+# ----------------------------------------------------------------------------- robustness, run_actions
 
 GARBAGE = ["", " ", "\n", "move", "move  up", "MOVE UP", "finish now", "move up finish", "ⓜove up",
            "移动", "\x00", "🙂" * 50, "x" * 10000, "move upp", "up", "<hint>", "{\"tool\": \"move\"}"]
@@ -292,7 +292,7 @@ def test_replay_is_deterministic(splits):
     rng = random.Random(1)
     for t in splits["test"][:30]:
         acts = [random_action(rng) for _ in range(rng.randrange(1, 60))]
-        a, b = replay(t, acts), replay(t, acts)
+        a, b = run_actions(t, acts), run_actions(t, acts)
         assert a.observations == b.observations and a.score() == b.score()
         first = a.reset()
         assert first == Navigation(t).reset() and a.turns == 0 and not a.done

@@ -88,49 +88,4 @@ def test_format_table():
 
 def test_docstring_examples():
     import doctest
-    import evaluate
     assert doctest.testmod(evaluate).failed == 0
-
-
-def test_boundary_counts_tasks_the_warm_start_never_solves():
-    warm = [[False] * 16, [True] + [False] * 15, [False] * 16, [False] * 16]       # tasks 0, 2, 3 never solved
-    after = {0: [[True, False, False, False], [False] * 4, [False] * 4, [False] * 4],   # seed 0 solves task 0
-             1: [[True] * 4, [True] * 4, [False, True, False, False], [False] * 4]}   # seed 1 solves tasks 0 and 2
-    results = {(name, s): {"after_tasks": after[s]} for name in evaluate.METHODS for s in (0, 1)}
-    n, share = evaluate.boundary(results, warm, [0, 1])
-    assert n == 3
-    assert share["RTI"] == pytest.approx((100 / 3 + 200 / 3) / 2)
-
-
-def test_report_writes_the_table_and_the_gap(tmp_path):
-    def summary(p1):
-        return {k: p1 for k, _ in evaluate.COLUMNS}
-    results = {}
-    for name in evaluate.METHODS:
-        for s, p1 in ((0, 10.0), (1, 20.0)):
-            bonus = 15.0 if name == "RTI" else 0.0
-            results[(name, s)] = {"after": summary(p1 + bonus), "after_tasks": [[p1 > 10] * 4, [False] * 4]}
-    warm = (summary(5.0), [[False] * 16, [True] * 16])
-    evaluate.write_report(results, warm, [0, 1], tmp_path, 60.0, "python evaluate.py compare --seeds 0 1")
-    md = (tmp_path / "compare.md").read_text()
-    assert "| RTI | 30.00 |" in md and "| GRPO | 15.00 |" in md and "warm start (16 samples) | 5.00" in md
-    assert "RTI minus GRPO p@1 per seed: +15.00, +15.00 (mean +15.00)" in md
-    assert "1 of 2 test tasks are never solved" in md
-    csv = (tmp_path / "compare.csv").read_text().splitlines()
-    assert len(csv) == 1 + 2 * len(evaluate.METHODS) and csv[0].startswith("method,seed,p@1")
-
-
-@pytest.mark.slow
-def test_quick_comparison_end_to_end(tmp_path):
-    """`python evaluate.py compare --quick` trains all five methods and writes the table (about 1.5 minutes)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(evaluate.__file__).parent
-    subprocess.run([sys.executable, "evaluate.py", "compare", "--quick", "--seeds", "0", "--out", str(tmp_path)],
-                   cwd=root, check=True)
-    md = (tmp_path / "compare.md").read_text()
-    for name in evaluate.METHODS:
-        assert f"| {name} |" in md
-    assert "RTI minus GRPO p@1 per seed:" in md
-    assert len((tmp_path / "compare.csv").read_text().splitlines()) == 1 + len(evaluate.METHODS)

@@ -1,6 +1,6 @@
 """intervene.py on a scripted policy and the Navigation task.
 
-The policy is a real `rti.Policy` (tiny model, real tokenizer, real KV-cached sessions and scoring) whose choices are
+The policy is a real `rti.Sampler` (tiny model, real tokenizer, real KV-cached sessions and scoring) whose choices are
 scripted: `sample_turn` plays a plan (optimal moves, with wrong ones at given turns) and feeds the chosen ids into the
 session as the real sampler does; `generate` answers as the corrector / validator / verifier functions a test gives,
 and records every context it was shown. Trajectories are produced by `rti.rollout` with that policy, so they are
@@ -71,7 +71,7 @@ def wrong_action(env, kind: str) -> str:
 def plan(per_row: list[dict] | None = None, every: dict | None = None):
     """Optimal moves, except at turn k a wrong action: per_row[row][k] (a rollout), or every[k] (any row)."""
     def choose(row, task, actions):
-        env = envs.replay(task, actions)
+        env = envs.run_actions(task, actions)
         kind = (per_row[row] if per_row is not None else every or {}).get(len(actions))
         return wrong_action(env, kind) if kind else env.optimal_action()
     return choose
@@ -124,7 +124,7 @@ def role_logp(n: int) -> list[float]:
     return [-0.3 - 0.2 * i for i in range(n)]
 
 
-class ScriptedPolicy(rti.Policy):
+class ScriptedPolicy(rti.Sampler):
     def __init__(self, tiny, max_turn_tokens=4, corrector=None, validator=None, verifier=None, scores=None):
         super().__init__(*tiny, max_turn_tokens=max_turn_tokens)
         self.plan = plan(every={})
@@ -183,11 +183,11 @@ class ScriptedPolicy(rti.Policy):
             rubric, history, action = ROLE_PROMPT.search(first).groups()
             task = RUBRIC[rubric]
             actions = history.rstrip(" ;").split(" ; ")[1::2] if history else []
-            q = Query(role, ctx, text, task, actions, envs.replay(task, actions), action=action)
+            q = Query(role, ctx, text, task, actions, envs.run_actions(task, actions), action=action)
         else:
             task, actions = self.episode(ctx)
             hint = re.search(r"<hint> (.*) </hint>", text)
-            q = Query("corrector", ctx, text, task, actions, envs.replay(task, actions),
+            q = Query("corrector", ctx, text, task, actions, envs.run_actions(task, actions),
                       hint=hint.group(1) if hint else "")
         key = (q.role, tuple(ctx))
         q.attempt = self._asked.get(key, 0)
@@ -225,6 +225,10 @@ def sample(policy, tasks, group_size, mistakes, then=None):
     return trajs
 
 
+def run(policy, trajs, config):
+    return intervene.intervene_batch(policy, trajs, config, policy.make_env)
+
+
 def cfg(**kw) -> RTIConfig:
     kw.setdefault("ppl_gate", False)   # the untrained tiny model's PPL is far above any sensible ppl_max
     return RTIConfig(**kw)
@@ -253,7 +257,7 @@ def test_group_with_a_success_is_not_intervened_on(tiny):
     trajs = sample(policy, [T_MID, T_SHORT], 4, mistakes)
     assert [t.group for t in trajs] == [0] * 4 + [1] * 4
     before = snapshot(trajs)
-    out, stats = intervene.intervene(policy, trajs, cfg())
+    out, stats = run(policy, trajs, cfg())
     assert stats["groups"] == 2 and stats["groups_triggered"] == 1 and stats["trigger_rate"] == 0.5
     assert stats["intervened"] == 2                     # default: half of the triggered group
     assert_unchanged(out, trajs, [0, 1, 2, 3, 6, 7])
@@ -268,7 +272,7 @@ def test_only_the_first_intervene_per_group_failures_are_corrected(tiny, per_gro
     mistakes = [{}, {1: "wall"}, {0: "wall"}, {2: "finish"},
                 {1: "wall"}, {0: "wall"}, {2: "wall"}, {1: "finish"}]
     trajs = sample(policy, [T_MID, T_SHORT], 4, mistakes)
-    out, stats = intervene.intervene(policy, trajs, cfg(intervene_per_group=per_group))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=per_group))
     assert stats["intervened"] == len(corrected) == stats["corrected_successes"]
     for i in range(8):
         if i in corrected:
@@ -280,7 +284,7 @@ def test_only_the_first_intervene_per_group_failures_are_corrected(tiny, per_gro
 def test_no_triggered_group_returns_the_batch_untouched(tiny):
     policy = ScriptedPolicy(tiny)
     trajs = sample(policy, [T_MID, T_SHORT], 2, [{}, {1: "wall"}, {0: "wall"}, {}])
-    out, stats = intervene.intervene(policy, trajs, cfg())
+    out, stats = run(policy, trajs, cfg())
     assert out == trajs and all(a is b for a, b in zip(out, trajs))
     assert stats["groups"] == 2 and stats["groups_triggered"] == 0 and stats["intervened"] == 0
     assert stats["trigger_rate"] == 0.0
@@ -294,10 +298,10 @@ def test_validator_flags_exactly_the_first_wrong_step(tiny, k1, k2):
     policy = ScriptedPolicy(tiny, corrector=lambda q: wrong_action(q.env, "wall"))   # every rewrite is rejected
     trajs = sample(policy, [T_MID], 2, [{k1: "wall", k2: "wall"}, {0: "finish"}])
     orig = trajs[0]
-    out, stats = intervene.intervene(policy, trajs, cfg(intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=1))
     assert stats["steps_checked"] == k1 + 1 and stats["steps_flagged"] == 1
     assert stats["corrections_rejected"] == 3 and out[0] is orig
-    env = envs.replay(orig.task, orig.actions[:k1])
+    env = envs.run_actions(orig.task, orig.actions[:k1])
     reason = env.check_step(orig.actions[k1]).reason
     assert reason.startswith("wall") and reason.endswith(env.hint())
     calls = policy.role_calls["corrector"]
@@ -314,7 +318,7 @@ def test_validator_flags_exactly_the_first_wrong_step(tiny, k1, k2):
 def test_replay_validates_trajectories_of_different_lengths_in_lockstep(tiny):
     policy = ScriptedPolicy(tiny, corrector=lambda q: "move")       # unknown action: always rejected
     trajs = sample(policy, [T_MID], 4, [{1: "wall", 3: "wall"}, {3: "wall"}, {0: "wall"}, {0: "wall"}])
-    out, stats = intervene.intervene(policy, trajs, cfg())
+    out, stats = run(policy, trajs, cfg())
     assert stats["intervened"] == 2
     assert stats["steps_checked"] == (1 + 1) + (3 + 1) and stats["steps_flagged"] == 2
     assert sorted(len(q.actions) for q in policy.role_calls["corrector"]) == [1, 1, 1, 3, 3, 3]
@@ -350,7 +354,7 @@ def test_rewrite_is_executed_and_the_policy_continues_from_the_new_state(tiny, t
     trajs = sample(policy, [task], 2, [{k: "wall"}, {0: "finish"}])
     orig = trajs[0]
     policy.check_logits = True
-    out, stats = intervene.intervene(policy, trajs, cfg(intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=1))
     t = out[0]
     assert t is not orig and stats["corrections_accepted"] == 1 and stats["corrected_successes"] == 1
     rewritten = rewrite(policy.role_calls["corrector"][0])
@@ -363,7 +367,7 @@ def test_rewrite_is_executed_and_the_policy_continues_from_the_new_state(tiny, t
         turn = k + 1 + j
         assert ctx == t.ids[:t.turns[turn][0]]
         assert ids == t.ids[slice(*t.turns[turn])] and logp == t.sample_logp[slice(*t.turns[turn])]
-    env = envs.replay(orig.task, t.actions[:k + 1])
+    env = envs.run_actions(orig.task, t.actions[:k + 1])
     expected = []
     while not env.done:
         expected.append(env.optimal_action())
@@ -392,7 +396,7 @@ def test_rubric_verifier_rejects_a_bad_rewrite(tiny, kind, tries):
     trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
     if kind == "no eos":
         policy.max_turn_tokens = 2
-    out, stats = intervene.intervene(policy, trajs, cfg(intervene_per_group=1, correction_tries=tries))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=1, correction_tries=tries))
     assert out == trajs and out[0] is trajs[0]
     assert stats["corrections_rejected"] == tries and stats.get("corrections_accepted", 0) == 0
     assert len(policy.role_calls["corrector"]) == tries and stats["with_accepted"] == 0
@@ -414,9 +418,9 @@ def test_rubric_verifier_integrity_checks(tiny, words, eos, accepted):
     chat = policy.chat
     ids = chat.ids(words) + [chat.eos_id] * eos
     rewrite = intervene.Rewrite(ids, role_logp(len(ids)), chat.action_text(ids))
-    verdict = intervene.RubricVerifier(policy).accept([intervene.Case(None, PermissiveEnv())], [rewrite])
+    verdict = intervene.RubricVerifier(policy).accept([intervene.StepUnderReview(None, PermissiveEnv())], [rewrite])
     assert verdict == [accepted]
-    assert intervene.RubricVerifier(policy).accept([intervene.Case(None, PermissiveEnv())],
+    assert intervene.RubricVerifier(policy).accept([intervene.StepUnderReview(None, PermissiveEnv())],
                                                    [intervene.Rewrite([], [], "")]) == [False]
 
 
@@ -427,12 +431,12 @@ def test_without_verifier_a_bad_rewrite_is_executed(tiny, kind):
     orig, k = trajs[0], 2
     if kind == "no eos":
         policy.max_turn_tokens = 2
-    out, stats = intervene.intervene(policy, trajs, cfg(intervene_per_group=1, verify=False))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=1, verifier="none"))
     assert stats["corrections_accepted"] == 1 and stats.get("corrections_rejected", 0) == 0
     assert len(policy.role_calls["corrector"]) == 1 and stats["with_accepted"] == 1
     q = policy.role_calls["corrector"][0]
     rw_ids = (policy.chat.ids(BAD_REWRITES[kind](q)) + [policy.chat.eos_id])[:policy.max_turn_tokens]
-    env = envs.replay(orig.task, orig.actions[:k] + [policy.chat.action_text(rw_ids)])
+    env = envs.run_actions(orig.task, orig.actions[:k] + [policy.chat.action_text(rw_ids)])
     closing = [] if rw_ids[-1] == policy.chat.eos_id else [policy.chat.eos_id]
     # the next turn was sampled right after the executed rewrite and the env's answer to it
     assert policy.turn_calls[0][0] == orig.ids[:orig.turns[k][0]] + rw_ids + closing + \
@@ -470,7 +474,7 @@ def two_failed_groups(tiny, ppl_by_task, **kw):
 def test_ppl_gate_keeps_low_and_drops_high_perplexity(tiny, ppl_max, gate, kept):
     ppl = {T_MID.task_id: 2.0, T_SHORT.task_id: 8.0}
     policy, trajs = two_failed_groups(tiny, ppl)
-    out, stats = intervene.intervene(policy, trajs, cfg(ppl_gate=gate, ppl_max=ppl_max))
+    out, stats = run(policy, trajs, cfg(ppl_gate=gate, ppl_max=ppl_max))
     assert stats["corrected_successes"] == 2
     assert stats["gate_kept"] == len(kept) and stats["gate_dropped"] == 2 - len(kept)
     for i in (0, 2):
@@ -492,14 +496,14 @@ def test_ppl_gate_keeps_low_and_drops_high_perplexity(tiny, ppl_max, gate, kept)
 def test_ppl_is_the_perplexity_of_the_rewritten_tokens_without_the_hint(tiny):
     policy = ScriptedPolicy(tiny)
     trajs = sample(policy, [T_MID], 2, [{1: "wall"}, {0: "finish"}], then={3: "wall"})
-    out, stats = intervene.intervene(policy, trajs, cfg(intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=1))
     t = out[0]
     assert t.intervention["corrections"] == 2
     assert policy.score_calls == [[t.ids]]          # the gate scored the training sequence itself ...
     hint_ids = set(policy.chat.ids(intervene.HINT_OPEN + " " + intervene.HINT_CLOSE))
     assert not hint_ids & set(t.ids)                # ... which holds no hint
     assert any(intervene.HINT_OPEN in q.text for q in policy.role_calls["corrector"])
-    lp = rti.Policy.score(policy, [t.ids])[0]
+    lp = rti.Sampler.score(policy, [t.ids])[0]
     vals = [lp[p] for k in (1, 3) for p in span(t, k)]
     assert len(vals) == 2 * 3                       # two rewritten turns of two words and an eos
     expected = math.exp(-sum(vals) / len(vals))
@@ -509,7 +513,7 @@ def test_ppl_is_the_perplexity_of_the_rewritten_tokens_without_the_hint(tiny):
     # with the gate on, a threshold on either side of that value decides
     for ppl_max, keep in ((expected * 1.01, True), (expected * 0.99, False)):
         trajs2 = sample(policy, [T_MID], 2, [{1: "wall"}, {0: "finish"}], then={3: "wall"})
-        out2, stats2 = intervene.intervene(policy, trajs2, cfg(intervene_per_group=1, ppl_gate=True,
+        out2, stats2 = run(policy, trajs2, cfg(intervene_per_group=1, ppl_gate=True,
                                                                ppl_max=ppl_max))
         assert (out2[0] is not trajs2[0]) == keep and stats2["gate_kept"] == int(keep)
 
@@ -519,7 +523,7 @@ def test_ppl_is_the_perplexity_of_the_rewritten_tokens_without_the_hint(tiny):
 def test_intervened_mark_covers_exactly_the_rewritten_tokens(tiny):
     policy = ScriptedPolicy(tiny)
     trajs = sample(policy, [T_MID], 2, [{1: "wall"}, {0: "finish"}], then={3: "wall"})
-    out, stats = intervene.intervene(policy, trajs, cfg(intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=1))
     t = out[0]
     assert stats["steps_flagged"] == 2 and stats["corrections_accepted"] == 2
     assert t.intervention["corrections"] == 2 and t.reward == 1.0
@@ -529,7 +533,7 @@ def test_intervened_mark_covers_exactly_the_rewritten_tokens(tiny):
     for k in (1, 3):    # the corrector's answer and its log-probs, eos included
         s, e = t.turns[k]
         assert t.ids[e - 1] == policy.chat.eos_id and t.sample_logp[s:e] == role_logp(e - s)
-        assert t.actions[k] == envs.replay(t.task, t.actions[:k]).optimal_action()
+        assert t.actions[k] == envs.run_actions(t.task, t.actions[:k]).optimal_action()
     for p in range(len(t.ids)):
         assert t.source[p] == (INTERVENED if p in rewritten else POLICY)
         assert t.loss_mask[p] == (1 if p in agent else 0)
@@ -540,7 +544,7 @@ def test_intervened_mark_covers_exactly_the_rewritten_tokens(tiny):
     # the wall move the policy sampled at turn 3 was retracted and replaced by the rewrite
     assert policy.turn_calls[1][0] == t.ids[:t.turns[3][0]]
     wall_ids = policy.turn_calls[1][1]
-    assert policy.chat.action_text(wall_ids) == wrong_action(envs.replay(t.task, t.actions[:3]), "wall")
+    assert policy.chat.action_text(wall_ids) == wrong_action(envs.run_actions(t.task, t.actions[:3]), "wall")
     assert t.ids[slice(*t.turns[3])] != wall_ids
 
 
@@ -549,7 +553,7 @@ def test_retracted_turn_leaves_the_cache_consistent(tiny):
     policy = ScriptedPolicy(tiny)
     trajs = sample(policy, [T_LONG], 2, [{0: "wall"}, {0: "finish"}], then={2: "wall", 4: "wall"})
     policy.check_logits = True
-    out, stats = intervene.intervene(policy, trajs, cfg(intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=1))
     t = out[0]
     assert t.intervention["corrections"] == 3 and t.reward == 1.0
     turns = []
@@ -567,7 +571,7 @@ def test_retracted_turn_leaves_the_cache_consistent(tiny):
 def test_llm_validator_garbage_flags_nothing(tiny, garbage):
     policy = ScriptedPolicy(tiny, validator=lambda q: garbage)
     trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
-    out, stats = intervene.intervene(policy, trajs, cfg(validator="llm", intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(validator="llm", intervene_per_group=1))
     assert out == trajs and out[0] is trajs[0]
     assert stats.get("steps_flagged", 0) == 0 and stats["steps_checked"] == len(trajs[0].actions)
     assert policy.role_calls["corrector"] == [] and stats["with_accepted"] == 0
@@ -582,7 +586,7 @@ def test_llm_validator_invalid_flags_and_its_reason_reaches_the_corrector(tiny, 
     k = 3
     policy = ScriptedPolicy(tiny, validator=lambda q: answer if len(q.actions) == k else "valid")
     trajs = sample(policy, [T_MID], 2, [{1: "wall"}, {0: "finish"}])   # the real mistake is at 1: not flagged
-    out, stats = intervene.intervene(policy, trajs, cfg(validator="llm", intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(validator="llm", intervene_per_group=1))
     assert stats["steps_flagged"] == 1
     q = policy.role_calls["corrector"][0]
     assert q.actions == trajs[0].actions[:k]
@@ -597,7 +601,7 @@ def test_llm_validator_invalid_flags_and_its_reason_reaches_the_corrector(tiny, 
 def test_llm_verifier_accepts_only_accept(tiny, answer, accepted):
     policy = ScriptedPolicy(tiny, verifier=lambda q: answer)
     trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
-    out, stats = intervene.intervene(policy, trajs, cfg(verifier="llm", intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(verifier="llm", intervene_per_group=1))
     asked = policy.role_calls["verifier"]
     assert asked and all(q.action == q.env.optimal_action() for q in asked)    # the rewrite, at the right state
     assert all(q.actions == trajs[0].actions[:2] for q in asked)
@@ -632,7 +636,7 @@ def test_statistics_count_what_happened(tiny):
                 {1: "wall"}, {0: "wall"},     # group 1: row 2 flagged at 1, corrected on the 2nd try
                 {2: "wall"}, {0: "finish"}]   # group 2: row 4 flagged at 2, every try rejected
     trajs = sample(policy, [T_MID, T_SHORT, T_LONG], 2, mistakes)
-    out, stats = intervene.intervene(policy, trajs, cfg())
+    out, stats = run(policy, trajs, cfg())
     expected = {
         "groups": 3, "groups_triggered": 2, "intervened": 2,
         "steps_checked": (2 + 3) + 2,      # replay: 2 steps of row 2, 3 of row 4; continuation: turns 2, 3 of row 2
@@ -668,7 +672,7 @@ def test_a_broken_role_rejects_and_the_run_goes_on(tiny, monkeypatch, where, pat
     monkeypatch.setattr(cls, "rewrite" if where == "corrector" else "accept", patch)
     policy = ScriptedPolicy(tiny)
     trajs = sample(policy, [T_MID, T_SHORT], 2, [{2: "wall"}, {0: "finish"}, {1: "wall"}, {0: "wall"}])
-    out, stats = intervene.intervene(policy, trajs, cfg(correction_tries=2))
+    out, stats = run(policy, trajs, cfg(correction_tries=2))
     assert out == trajs and all(a is b for a, b in zip(out, trajs))
     assert stats["role_errors"] == 2                    # one failed call per try (both cases in one batch)
     assert stats["corrections_rejected"] == 2 * 2 and stats.get("corrections_accepted", 0) == 0
@@ -678,7 +682,7 @@ def test_a_broken_role_rejects_and_the_run_goes_on(tiny, monkeypatch, where, pat
 def test_a_role_raising_inside_generate_is_a_rejection(tiny):
     policy = ScriptedPolicy(tiny, corrector=raise_)
     trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
-    out, stats = intervene.intervene(policy, trajs, cfg(intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=1))
     assert out[0] is trajs[0] and stats["role_errors"] == 3 and stats["corrections_rejected"] == 3
 
 
@@ -688,7 +692,7 @@ def test_a_broken_validator_flags_nothing(tiny, monkeypatch, broken):
     monkeypatch.setattr(intervene.RubricValidator, "check", broken)
     policy = ScriptedPolicy(tiny)
     trajs = sample(policy, [T_MID], 2, [{2: "wall", 4: "wall"}, {0: "finish"}])
-    out, stats = intervene.intervene(policy, trajs, cfg(intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=1))
     assert out[0] is trajs[0] and stats.get("steps_flagged", 0) == 0
     assert stats["steps_checked"] == len(trajs[0].actions)     # every step was put to it; none was flagged
     assert stats["role_errors"] == len(trajs[0].actions)       # one failed call per step, none for "no steps"
@@ -703,7 +707,7 @@ def test_replay_never_asks_the_validator_about_no_steps(tiny, monkeypatch):
     trajs = sample(policy, [T_MID], 2, [{}, {}])
     for t in trajs:
         t.reward = 0.0
-    intervene.intervene(policy, trajs, cfg(intervene_per_group=1))
+    run(policy, trajs, cfg(intervene_per_group=1))
     assert sizes == [1] * len(trajs[0].actions)
 
 
@@ -713,30 +717,29 @@ def test_a_failed_trajectory_with_nothing_to_correct_is_left_as_it_was(tiny):
     for t in trajs:    # a reward the rubric validator cannot explain (e.g. from another scorer)
         t.reward = 0.0
     before = snapshot(trajs)
-    out, stats = intervene.intervene(policy, trajs, cfg())
+    out, stats = run(policy, trajs, cfg())
     assert all(a is b for a, b in zip(out, trajs)) and snapshot(out) == before
     assert stats["intervened"] == 1 and stats["steps_checked"] == len(trajs[0].actions)
     assert stats.get("steps_flagged", 0) == 0 and stats["with_accepted"] == 0
     assert policy.role_calls["corrector"] == [] and policy.score_calls == []
 
 
-def test_unknown_role_names_are_refused(tiny):
-    policy = ScriptedPolicy(tiny)
+def test_unknown_role_names_are_refused():
     for field in ("validator", "corrector", "verifier"):
-        with pytest.raises(ValueError, match=field):
-            intervene.make_roles(policy, RTIConfig(**{field: "oracle"}))
+        with pytest.raises(ValueError, match=f"{field}: must be one of"):
+            RTIConfig(**{field: "oracle"})
 
 
 def test_config_from_trainer_flags():
-    c = RTIConfig.from_config(rti.Config(ppl_max=3.5, verify=False, corrector="rule", max_corrections=2))
-    assert (c.ppl_max, c.verify, c.corrector, c.max_corrections, c.validator) == (3.5, False, "rule", 2, "rubric")
+    c = rti.make_config(ppl_max=3.5, verifier="none", corrector="rule", max_corrections=2).rti
+    assert (c.ppl_max, c.verifier, c.corrector, c.max_corrections, c.validator) == (3.5, "none", "rule", 2, "rubric")
 
 
 def test_empty_rewrite_without_verifier_does_not_crash(tiny):
     policy = ScriptedPolicy(tiny, corrector=lambda q: "")
     trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
     policy.generate = lambda contexts, max_new=None: ([[] for _ in contexts], [[] for _ in contexts])
-    out, stats = intervene.intervene(policy, trajs, cfg(intervene_per_group=1, verify=False))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=1, verifier="none"))
     assert stats["corrections_accepted"] == 1 and stats["with_accepted"] == 1
 
 
@@ -748,7 +751,7 @@ def test_max_corrections_caps_corrections_per_trajectory(tiny, cap, accepted, ch
     policy = ScriptedPolicy(tiny)
     # the original fails at 0; after each correction the policy hits a wall again at turns 1, 2, 3
     trajs = sample(policy, [T_LONG], 2, [{0: "wall"}, {0: "finish"}], then={1: "wall", 2: "wall", 3: "wall"})
-    out, stats = intervene.intervene(policy, trajs, cfg(corrector="rule", intervene_per_group=1,
+    out, stats = run(policy, trajs, cfg(corrector="rule", intervene_per_group=1,
                                                         max_corrections=cap))
     assert stats["corrections_accepted"] == accepted == stats["steps_flagged"]
     assert stats["steps_checked"] == checked       # reviewed steps only: 1 in replay, then while under the cap
@@ -760,20 +763,20 @@ def test_max_corrections_caps_corrections_per_trajectory(tiny, cap, accepted, ch
 def test_max_corrections_zero_corrects_nothing(tiny):
     policy = ScriptedPolicy(tiny)
     trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
-    out, stats = intervene.intervene(policy, trajs, cfg(corrector="rule", intervene_per_group=1, max_corrections=0))
+    out, stats = run(policy, trajs, cfg(corrector="rule", intervene_per_group=1, max_corrections=0))
     assert stats.get("corrections_accepted", 0) == 0 and out[0] is trajs[0]
 
 
 def test_rule_corrector_writes_the_optimal_action_with_log_prob_zero(tiny):
     policy = ScriptedPolicy(tiny, corrector=raise_)      # the self-corrector must not be asked
     trajs = sample(policy, [T_LONG], 2, [{1: "wall"}, {0: "finish"}], then={3: "wall"})
-    out, stats = intervene.intervene(policy, trajs, cfg(corrector="rule", intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(corrector="rule", intervene_per_group=1))
     t = out[0]
     assert policy.role_calls["corrector"] == [] and "role_errors" not in stats
     assert t.intervention["corrections"] == 2 and t.reward == 1.0
     for k in (1, 3):
         s, e = t.turns[k]
-        optimal = envs.replay(t.task, t.actions[:k]).optimal_action()
+        optimal = envs.run_actions(t.task, t.actions[:k]).optimal_action()
         assert t.actions[k] == optimal and t.ids[s:e] == policy.chat.ids(optimal) + [policy.chat.eos_id]
         assert t.sample_logp[s:e] == [0.0] * (e - s) and t.source[s:e] == [INTERVENED] * (e - s)
     assert t.actions == envs.optimal_actions(T_LONG)
@@ -803,16 +806,18 @@ def test_format_hint_on_the_env_reasons_states_the_hint_once():
             assert block == f"<hint> {check.reason} </hint>" and block.count(" dir ") == 1
 
 
-def test_run_totals_add_counts_and_weight_means():
-    a = intervene.finalize(intervene.Stats(groups=4, groups_triggered=2, steps_checked=10, steps_flagged=5,
-                                           corrections_accepted=3, corrections_rejected=1, intervened=4,
-                                           with_accepted=3, corrected_successes=2, ppl_kept=[2.0, 4.0],
-                                           ppl_dropped=[9.0], calls_corrected=[5, 7], calls_original=[6, 6]))
-    b = intervene.finalize(intervene.Stats(groups=4, groups_triggered=1, steps_checked=2, steps_flagged=2,
-                                           corrections_accepted=1, corrections_rejected=3, intervened=2,
-                                           with_accepted=1, corrected_successes=1, ppl_kept=[6.0],
-                                           calls_corrected=[9], calls_original=[10]))
-    s = intervene.total([a, b, intervene.finalize(intervene.Stats(groups=4, groups_triggered=0))])
+def test_run_totals_add_counts_and_take_means_over_the_run():
+    a = intervene.step_summary(dict(groups=4, groups_triggered=2, steps_checked=10, steps_flagged=5,
+                                               corrections_accepted=3, corrections_rejected=1, intervened=4,
+                                               with_accepted=3, corrected_successes=2, gate_kept=2, ppl_kept_sum=6.0,
+                                               gate_dropped=1, ppl_dropped_sum=9.0, calls_corrected_sum=12,
+                                               calls_original_sum=12))
+    b = intervene.step_summary(dict(groups=4, groups_triggered=1, steps_checked=2, steps_flagged=2,
+                                               corrections_accepted=1, corrections_rejected=3, intervened=2,
+                                               with_accepted=1, corrected_successes=1, gate_kept=1, ppl_kept_sum=6.0,
+                                               calls_corrected_sum=9, calls_original_sum=10))
+    assert a["ppl_kept_mean"] == 3.0 and b["ppl_dropped_mean"] != b["ppl_dropped_mean"]     # NaN: nothing dropped
+    s = intervene.run_totals([a, b, intervene.step_summary(dict(groups=4, groups_triggered=0))])
     assert (s["groups"], s["groups_triggered"], s["gate_kept"], s["gate_dropped"]) == (12, 3, 3, 1)
     assert s["trigger_rate"] == pytest.approx(3 / 12) and s["accept_rate"] == pytest.approx(4 / 8)
     assert s["ppl_kept_mean"] == pytest.approx(4.0) and s["ppl_dropped_mean"] == pytest.approx(9.0)

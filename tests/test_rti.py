@@ -7,6 +7,7 @@ import torch
 
 import envs
 import rti
+from extras import warmstart
 from loss import INTERVENED, POLICY
 
 
@@ -19,7 +20,7 @@ def tiny():
 
 def make_policy(tiny, seed=0, **kw):
     model, tok = tiny
-    return rti.Policy(model, tok, seed=seed, **kw)
+    return rti.Sampler(model, tok, seed=seed, **kw)
 
 
 def easy_tasks(n):
@@ -150,8 +151,9 @@ def test_batched_equals_one_at_a_time(tiny):
 
 
 def test_warm_start_lowers_its_loss(tmp_path):
-    cfg = rti.Config(ws_steps=40, ws_batch=8, ws_out=str(tmp_path / "ws"), progress=False)
-    _, _, losses = rti.warmstart(cfg, log=lambda *a: None)
+    cfg = rti.make_config(warmstart.WarmStartConfig, ws_steps=40, ws_batch=8, ws_out=str(tmp_path / "ws"),
+                          progress=False)
+    _, _, losses = warmstart.warmstart(cfg, log=lambda *a: None)
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert (tmp_path / "ws" / "config.json").exists()
 
@@ -159,7 +161,7 @@ def test_warm_start_lowers_its_loss(tmp_path):
 def test_teacher_sequence_hint_tokens_are_not_trained(tiny):
     chat = rti.Chat(tiny[1])
     task = easy_tasks(1)[0]
-    ids, w = rti.teacher_sequence(chat, task, random.Random(0), hint_frac=1.0, obs_weight=0.5)
+    ids, w = warmstart.teacher_sequence(chat, task, random.Random(0), hint_frac=1.0, obs_weight=0.5)
     text = chat.tok.convert_ids_to_tokens(ids)
     inside = False
     for tok, wt in zip(text, w):
@@ -177,7 +179,7 @@ def small_cfg(tmp_path, **kw):
     base = dict(init="", train_split="easy", batch_tasks=2, group_size=4, steps=1, eval_tasks=0, progress=False,
                 out=str(tmp_path / "run"), lr=1e-3, save_every=1)
     base.update(kw)
-    return rti.Config(**base)
+    return rti.make_config(**base)
 
 
 def params(model):
@@ -204,7 +206,7 @@ def test_one_training_step_changes_the_parameters(tmp_path):
     # an untrained model never succeeds; rule corrections on every step make some trajectories succeed
     cfg = small_cfg(tmp_path, method="rti", corrector="rule", max_corrections=100, ppl_gate=False,
                     batch_tasks=2, group_size=4, intervene_per_group=2)
-    policy = rti.init_policy(cfg)
+    policy = rti.init_sampler(cfg, rti.Backend(cfg))
     before = params(policy.model).clone()
     opt = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr)
     m = rti.train_step(policy, opt, envs.make_tasks("easy")[:2], cfg)
@@ -223,7 +225,7 @@ def test_resume_gives_the_same_run(tmp_path):
     straight = rti.train(small_cfg(tmp_path / "a", **kw), log=lambda *a: None)
     rti.train(small_cfg(tmp_path / "b", **{**kw, "steps": 2}), log=lambda *a: None)
     resumed = rti.train(small_cfg(tmp_path / "b", **kw, resume=True), log=lambda *a: None)
-    assert torch.allclose(params(straight["policy"].model), params(resumed["policy"].model), atol=1e-6)
+    assert torch.allclose(params(straight["sampler"].model), params(resumed["sampler"].model), atol=1e-6)
     ma = read_metrics(tmp_path / "a" / "run" / "metrics.jsonl")
     mb = read_metrics(tmp_path / "b" / "run" / "metrics.jsonl")
     drop = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}
@@ -236,7 +238,10 @@ def test_resume_gives_the_same_run(tmp_path):
     (["--model", "/no/such/dir"], "--model"),
     (["--method", "ppo"], "--method"),
     (["--temperature", "0"], "--temperature"),
-    (["--agg", "mean"], "agg"),
+    (["--agg", "mean"], "--agg"),
+    (["--ppl-max", "1"], "--ppl-max"),
+    (["--verifier", "oracle"], "--verifier"),
+    (["--intervene-per-group", "9"], "--group-size"),
 ])
 def test_bad_flags_stop_with_a_message_naming_the_flag(flags, name, capsys):
     with pytest.raises(SystemExit):
@@ -245,10 +250,11 @@ def test_bad_flags_stop_with_a_message_naming_the_flag(flags, name, capsys):
 
 
 def test_end_to_end_smoke(tmp_path, capsys):
-    """A warm start of a few steps, then `python rti.py` with RTI for two steps and a before/after evaluation."""
+    """A warm start of a few steps (python -m extras.warmstart), then `python rti.py` with RTI for two steps and a
+    before/after evaluation, then `python rti.py eval` of the trained model."""
     ws = tmp_path / "ws"
-    rti.main(["warmstart", "--ws-steps", "5", "--ws-batch", "4", "--ws-out", str(ws), "--no-progress"])
-    rti.main(["--init", str(ws), "--ws-out", str(ws), "--steps", "2", "--batch-tasks", "2", "--group-size", "2",
+    warmstart.main(["--ws-steps", "5", "--ws-batch", "4", "--ws-out", str(ws), "--no-progress"])
+    rti.main(["--init", str(ws), "--steps", "2", "--batch-tasks", "2", "--group-size", "2",
               "--eval-tasks", "3", "--eval-samples", "4", "--out", str(tmp_path / "run"), "--no-progress",
               "--train-split", "easy"])
     out = capsys.readouterr().out
@@ -258,3 +264,6 @@ def test_end_to_end_smoke(tmp_path, capsys):
     assert "test/p@1" in rows[0] and "test/p@1" in rows[-1] and "interventions over the run" in out
     assert "rti/groups_triggered" in rows[1]
     assert (tmp_path / "run" / "model" / "config.json").exists()
+    rti.main(["eval", str(tmp_path / "run" / "model"), "--eval-tasks", "2", "--no-progress"])
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| method | p@1 |") and table[2].startswith(f"| {tmp_path / 'run' / 'model'} |")

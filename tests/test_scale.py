@@ -1,5 +1,5 @@
-"""Scaling (issue 7): tool calls with a Qwen3 chat template, bf16 / gradient checkpointing / LoRA, flags the machine
-cannot serve, and FSDP2 on 2 CPU processes (gloo) against 1 process on the same global batch.
+"""extras/scale.py and extras/chat_tools.py: tool calls with a Qwen3 chat template, bf16 / gradient checkpointing /
+LoRA, flags the machine cannot serve, and FSDP2 on 2 CPU processes (gloo) against 1 process on the same global batch.
 
 `python -m torch.distributed.run --standalone --nproc_per_node 2 tests/test_scale.py OUT` is the 2-process worker
 that test_fsdp_two_processes_match_one_process launches.
@@ -21,6 +21,8 @@ sys.path.insert(0, str(ROOT))
 import envs  # noqa: E402
 import intervene  # noqa: E402
 import rti  # noqa: E402
+from extras import scale  # noqa: E402
+from extras.chat_tools import NavigationTools, ToolChat, format_tool_call, parse_tool_call  # noqa: E402
 
 HAS_PEFT = importlib.util.find_spec("peft") is not None
 
@@ -127,8 +129,8 @@ def qwen3_style_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     task = envs.make_tasks("easy", n=1)[0]
-    corpus = [QWEN3_CHAT_TEMPLATE, json.dumps(envs.Navigation.tools()), envs.Navigation(task).reset(),
-              " ".join(envs.Navigation.vocabulary())] + [rti.format_tool_call(a) for a in envs.ACTIONS]
+    corpus = [QWEN3_CHAT_TEMPLATE, json.dumps(NavigationTools.tools()), envs.Navigation(task).reset(),
+              " ".join(envs.Navigation.vocabulary())] + [format_tool_call(a) for a in envs.ACTIONS]
     backend.train_from_iterator(corpus * 3, trainers.BpeTrainer(
         vocab_size=700, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
@@ -166,7 +168,7 @@ CALL = '<tool_call>\n{"name": "move", "arguments": {"direction": "up"}}\n</tool_
     (CALL + CALL, "2 calls in one turn"),
 ])
 def test_parse_tool_call(text, action):
-    got = rti.parse_tool_call(text)
+    got = parse_tool_call(text)
     if action in envs.ACTIONS:
         assert got == action
     else:
@@ -180,22 +182,22 @@ def test_parse_tool_call(text, action):
 
 def test_every_action_round_trips_through_its_tool_call():
     for action in envs.ACTIONS:
-        assert rti.parse_tool_call(rti.format_tool_call(action)) == action
-    names = {t["function"]["name"] for t in envs.Navigation.tools()}
+        assert parse_tool_call(format_tool_call(action)) == action
+    names = {t["function"]["name"] for t in NavigationTools.tools()}
     assert names == {a.split()[0] for a in envs.ACTIONS}
 
 
 # ----------------------------------------------------------------------------- chat pieces with Qwen3's template
 
 def render(tok, messages, thinking=False):
-    return tok.apply_chat_template(messages, tools=envs.Navigation.tools(), tokenize=False,
+    return tok.apply_chat_template(messages, tools=NavigationTools.tools(), tokenize=False,
                                    add_generation_prompt=True, enable_thinking=thinking)
 
 
 def test_qwen3_chat_pieces_are_the_templates_and_prefix_stable(qwen_tok):
     tok = qwen_tok
-    chat = rti.Chat(tok)
-    assert chat.tools == envs.Navigation.tools()
+    chat = ToolChat(tok)
+    assert chat.tools == NavigationTools.tools()
     task = envs.make_tasks("easy", n=1)[0]
     env = envs.Navigation(task)
     first = env.reset()
@@ -221,17 +223,18 @@ def test_qwen3_chat_pieces_are_the_templates_and_prefix_stable(qwen_tok):
 
 
 def test_thinking_flag_reaches_the_template(qwen_tok):
-    chat = rti.Chat(qwen_tok, thinking=True)
+    chat = ToolChat(qwen_tok, thinking=True)
     assert chat.prompt_post.endswith("<|im_start|>assistant\n")
     assert chat.turn_post.endswith("<|im_start|>assistant\n")
-    turn = chat.ids("<think>\nA is up and to the left.\n</think>\n\n" + rti.format_tool_call("move left"))
+    turn = chat.ids("<think>\nA is up and to the left.\n</think>\n\n" + format_tool_call("move left"))
     assert chat.action_text(turn + [chat.eos_id]) == "move left"
 
 
 def test_tiny_chat_keeps_plain_text_actions():
     _, tok = rti.load_model("tiny")
     chat = rti.Chat(tok)
-    assert chat.tools is None
+    backend = scale.ScaleBackend(rti.make_config(scale.ScaleConfig))
+    assert type(backend.prepare(rti.build_tiny_model(len(tok)), tok, "navigation")[1]) is rti.Chat
     assert chat.action_ids("move up") == chat.ids("move up")
     assert chat.action_text(chat.ids("move up") + [chat.eos_id]) == "move up"
 
@@ -241,16 +244,16 @@ def test_rti_step_with_a_qwen3_template_model(qwen_tok):
     and are trained on."""
     model = rti.build_tiny_model(len(qwen_tok), seed=0)
     model.config.eos_token_id, model.config.pad_token_id = qwen_tok.eos_token_id, qwen_tok.pad_token_id
-    policy = rti.Policy(model, qwen_tok, temperature=1.0, max_turn_tokens=24, seed=0)
-    cfg = rti.Config(init="", method="rti", corrector="rule", max_corrections=100, ppl_gate=False,
-                     intervene_per_group=1, group_size=2, batch_tasks=2, lr=1e-3)
+    policy = rti.Sampler(model, qwen_tok, temperature=1.0, max_turn_tokens=24, seed=0, chat=ToolChat(qwen_tok))
+    cfg = rti.make_config(init="", method="rti", corrector="rule", max_corrections=100, ppl_gate=False,
+                          intervene_per_group=1, group_size=2, batch_tasks=2, lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     m = rti.train_step(policy, opt, envs.make_tasks("easy", n=2), cfg)
     assert m["train_success"] == 0 and m["train_success_after_rti"] > 0 and math.isfinite(m["loss"])
     trajs = rti.rollout(policy, envs.make_tasks("easy", n=1), 1)
     assert all(a.startswith("invalid tool call") for a in trajs[0].actions)
     assert all(o.startswith("error unknown action") for o in trajs[0].observations[1:])
-    rewrite = intervene.RuleCorrector(policy).rewrite([intervene.Case(trajs[0], envs.Navigation(trajs[0].task))])[0]
+    rewrite = intervene.RuleCorrector(policy).rewrite([intervene.StepUnderReview(trajs[0], envs.Navigation(trajs[0].task))])[0]
     assert qwen_tok.decode(rewrite.agent_ids).startswith("<tool_call>\n{\"name\": ")
 
 
@@ -258,9 +261,9 @@ def test_model_path_loads_a_local_model_with_its_template_and_flags(qwen_tok, tm
     model = rti.build_tiny_model(len(qwen_tok), seed=0)
     model.save_pretrained(tmp_path / "m")
     qwen_tok.save_pretrained(tmp_path / "m")
-    _, cfg = rti.parse_args(["--model", str(tmp_path / "m"), "--dtype", "bf16", "--attn-implementation", "eager",
-                             "--thinking"])
-    policy = rti.init_policy(cfg)
+    _, _, cfg = rti.parse_args(["--model", str(tmp_path / "m"), "--dtype", "bf16", "--attn-implementation", "eager",
+                                "--thinking"], scale.ScaleConfig, ("train",))
+    policy = rti.init_sampler(cfg, scale.ScaleBackend(cfg))
     assert policy.chat.tools and policy.chat.prompt_post.endswith("assistant\n")      # thinking on: no empty block
     assert policy.model.config._attn_implementation == "eager"
     assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
@@ -273,15 +276,16 @@ def small_cfg(tmp_path, **kw):
                 out=str(tmp_path / "run"), lr=1e-3, method="rti", corrector="rule", max_corrections=100,
                 ppl_gate=False, intervene_per_group=2)
     base.update(kw)
-    return rti.Config(**base)
+    return rti.make_config(scale.ScaleConfig, **base)
 
 
 def one_step(cfg):
     torch.manual_seed(0)
-    policy = rti.init_policy(cfg)
+    backend = scale.ScaleBackend(cfg)
+    policy = rti.init_sampler(cfg, backend)
     trainable = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=cfg.lr)
-    m = rti.train_step(policy, opt, envs.make_tasks("easy", n=2), cfg)
+    m = rti.train_step(policy, opt, envs.make_tasks("easy", n=2), cfg, backend=backend)
     return policy, m, trainable
 
 
@@ -316,7 +320,7 @@ def test_lora_bf16_checkpointing_step_trains_only_adapters(tmp_path):
     assert {p.dtype for p in base} == {torch.bfloat16} and not any(p.requires_grad for p in base)
     assert math.isfinite(m["loss"])
     assert {n for n in changed(policy, before) if "lora_B" in n}            # B starts at 0: it moved
-    rti.save_model(policy, tmp_path / "adapter")
+    scale.ScaleBackend(small_cfg(tmp_path, lora_r=4)).save_model(policy, tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
 
 
@@ -330,9 +334,9 @@ def qwen3_params(a: dict) -> int:
 
 
 def test_gpu_smoke_code_path_runs_on_cpu_with_a_tiny_architecture(tmp_path):
-    arch = dict(rti.QWEN3_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+    arch = dict(scale.QWEN3_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=32, vocab_size=1000)
-    fig = rti.gpu_smoke(small_cfg(tmp_path, dtype="bf16", gradient_checkpointing=True, batch_tasks=1),
+    fig = scale.gpu_smoke(small_cfg(tmp_path, dtype="bf16", gradient_checkpointing=True, batch_tasks=1),
                         arch=arch, steps=1, log=lambda *a: None)
     assert fig["params"] == qwen3_params(arch) == 202_176
     assert math.isfinite(fig["steps"][0]["loss"])
@@ -349,7 +353,7 @@ def no_peft(name, *a, **kw):
 
 @pytest.mark.parametrize("flags,env,patch,expect", [
     (["--dtype", "fp16"], {}, {}, "--dtype"),
-    (["--device", "cuda"], {}, {"is_available": False}, "install a CUDA build of torch"),
+    (["--device", "cuda"], {}, {"is_available": False}, "install a CUDA build"),
     (["--device", "cuda", "--dtype", "bf16"], {}, {"is_available": True, "is_bf16_supported": False},
      "--dtype: this GPU has no bf16"),
     (["--fsdp"], {}, {}, "torchrun --nproc_per_node"),
@@ -370,7 +374,7 @@ def test_flags_the_machine_cannot_serve_say_what_to_change(flags, env, patch, ex
     if "flash_attention_2" in flags and FIND_SPEC("flash_attn") is not None:
         pytest.skip("flash-attn is installed here")
     with pytest.raises(SystemExit):
-        rti.parse_args(flags)
+        rti.parse_args(flags, scale.ScaleConfig, ("train",))
     assert expect in capsys.readouterr().err
 
 
@@ -392,8 +396,8 @@ def fsdp_worker(out: str) -> None:
     quiet = lambda *a, **k: None  # noqa: E731
     for extra in (["--out", f"{out}/straight", "--gradient-checkpointing"], ["--out", f"{out}/resumed", "--steps", "1"],
                   ["--out", f"{out}/resumed", "--resume"]):
-        _, cfg = rti.parse_args(FLAGS + ["--fsdp"] + extra)
-        rti.train(cfg, log=quiet)
+        _, _, cfg = rti.parse_args(FLAGS + ["--fsdp"] + extra, scale.ScaleConfig, ("train",))
+        rti.train(cfg, log=quiet, backend=scale.ScaleBackend(cfg))
     dist.destroy_process_group()
 
 
@@ -409,7 +413,7 @@ def test_fsdp_two_processes_match_one_process(tmp_path):
                            __file__, str(tmp_path / "two")], capture_output=True, text=True, env=env, cwd=ROOT,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    _, cfg = rti.parse_args(FLAGS + ["--out", str(tmp_path / "one")])
+    _, _, cfg = rti.parse_args(FLAGS + ["--out", str(tmp_path / "one")])
     one = rti.train(cfg, log=lambda *a: None)
     ref = losses(tmp_path / "one" / "metrics.jsonl")
     assert len(ref) == 2 and all(abs(loss) > 1e-3 and norm > 1 for loss, norm in ref)   # a real update
@@ -421,8 +425,8 @@ def test_fsdp_two_processes_match_one_process(tmp_path):
     # AdamW moves every weight with a non-negligible gradient by about lr per step; where a gradient is near Adam's
     # eps, float noise between batch shapes shows, so the tolerance is a small share of the distance travelled
     from safetensors.torch import load_file
-    init = rti.build_tiny_model(one["policy"].model.config.vocab_size).state_dict()
-    final = one["policy"].model.state_dict()
+    init = rti.build_tiny_model(one["sampler"].model.config.vocab_size).state_dict()
+    final = one["sampler"].model.state_dict()
     travelled = cfg.lr * cfg.steps
     for run in ("straight", "resumed"):
         two = load_file(tmp_path / "two" / run / "model" / "model.safetensors")

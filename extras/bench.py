@@ -1,0 +1,79 @@
+"""Side-by-side speed figures of the core (printed, never asserted); optional (extras/).
+
+    python -m extras.bench [MODEL_DIR] --repeats 2 --threads 2     # run it on an otherwise idle machine
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+import envs
+import intervene
+import rti
+from loss import group_advantages
+
+
+def bench(model_dir: str, tasks: int = 8, group: int = 8, repeats: int = 3, threads: int = 1, seed: int = 0) -> None:
+    """Side-by-side timings on one machine, alternating so that drift hits both sides:
+    rollout throughput batched (B x G episodes in lockstep) vs one episode at a time on the same tasks, and one
+    training step of GRPO vs RTI from the same sampled batch and the same weights."""
+    torch.set_num_threads(threads)
+    model, tok = rti.load_model(model_dir)
+    batch_tasks = envs.make_tasks("train")[:tasks]
+    cfg = rti.Config(batch_tasks=tasks, group_size=group, micro_batch=tasks * group)
+    rates = {"batched": [], "one at a time": []}
+    for r in range(repeats):
+        for mode in rates:
+            policy = rti.Sampler(model, tok, seed=seed + r)
+            t0 = time.perf_counter()
+            if mode == "batched":
+                trajs = rti.rollout(policy, batch_tasks, group)
+            else:
+                trajs = [t for task in batch_tasks for _ in range(group) for t in rti.rollout(policy, [task], 1)]
+            dt = time.perf_counter() - t0
+            rates[mode].append((len(trajs) / dt, sum(len(t.ids) for t in trajs) / dt, dt))
+    print(f"rollout, {tasks} tasks x {group} episodes, train split, {threads} thread(s), {repeats} alternating repeats")
+    for mode, xs in rates.items():
+        med = sorted(xs, key=lambda x: x[2])[len(xs) // 2]
+        print(f"  {mode:14s} {med[0]:7.1f} episodes/s {med[1]:9.0f} tokens/s   ({med[2]:.2f} s per batch)")
+    ratio = sorted(b[0] / s[0] for b, s in zip(rates["batched"], rates["one at a time"]))[len(rates["batched"]) // 2]
+    print(f"  batched / one at a time: {ratio:.1f}x episodes per second")
+
+    times = {"grpo": [], "rti": []}
+    for r in range(repeats):
+        policy = rti.Sampler(model, tok, seed=seed + r)
+        trajs = rti.rollout(policy, batch_tasks, group)
+        for method in times:
+            p = rti.Sampler(copy.deepcopy(model), tok, seed=seed + r)
+            opt = torch.optim.AdamW(p.model.parameters(), lr=cfg.lr)
+            t0 = time.perf_counter()
+            batch = [copy.copy(t) for t in trajs]
+            if method == "rti":
+                batch, _ = intervene.intervene_batch(p, batch, cfg.rti, p.make_env)
+            adv = group_advantages(torch.tensor([t.reward for t in batch]), group)
+            keep = [i for i in range(len(batch)) if adv[i] != 0]
+            if keep:
+                rti.update(p, opt, [batch[i] for i in keep], adv[keep], cfg)
+            times[method].append(time.perf_counter() - t0)
+    med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
+    print(f"after-sampling step time on the same batch: GRPO {med['grpo']:.2f} s, RTI {med['rti']:.2f} s "
+          f"(RTI / GRPO {med['rti'] / med['grpo']:.2f}x; sampling itself, common to both, excluded)")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m extras.bench",
+                                description="rollout throughput batched vs one at a time; GRPO vs RTI step time")
+    p.add_argument("model", nargs="?", default=rti.WARMSTART_DIR)
+    p.add_argument("--tasks", type=int, default=8)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    bench(args.model, args.tasks, args.group, args.repeats, args.threads)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""The layout: the core's project imports point one way, at module top, with no cycle; extras/ is reached from the
+core only through envs.ENVS; intervene.py runs with a policy and trajectories written here (it copies alone)."""
+import ast
+from pathlib import Path
+
+import pytest
+
+import envs
+import intervene
+from loss import INTERVENED, POLICY
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = {"envs": 0, "loss": 0, "evaluate": 0, "intervene": 1, "rti": 2}   # level: a module imports lower levels only
+BUDGET = {"loss": 300, "intervene": 400, "evaluate": 250, "envs": 550, "rti": 750}
+
+
+def project_imports(path: Path) -> list[tuple[str, bool]]:
+    """(imported project module, at module top?) for every import statement in the file."""
+    tree = ast.parse(path.read_text())
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        for name in names:
+            root = name.split(".")[0]
+            if root in CORE or root == "extras":
+                out.append((name, id(node) in top))
+    return out
+
+
+@pytest.mark.parametrize("module", sorted(CORE))
+def test_core_imports_point_down_at_module_top(module):
+    for name, at_top in project_imports(ROOT / f"{module}.py"):
+        assert at_top, f"{module}.py imports {name} inside a function"
+        assert not name.startswith("extras"), f"{module}.py imports {name}: the core reaches extras/ via envs.ENVS"
+        assert CORE[name] < CORE[module], f"{module}.py (level {CORE[module]}) imports {name} (level {CORE[name]})"
+
+
+def test_extras_import_the_core_and_no_cycle():
+    graph = {}
+    for path in sorted((ROOT / "extras").glob("*.py")):
+        graph[f"extras.{path.stem}"] = {n for n, _ in project_imports(path)}
+    for name, deps in graph.items():
+        for dep in deps:
+            assert dep in CORE or dep in graph, f"{name} imports {dep}, which is neither core nor extras"
+    seen, stack = set(), []
+
+    def visit(node):
+        assert node not in stack, f"import cycle: {' -> '.join(stack + [node])}"
+        if node in seen or node not in graph:
+            return
+        stack.append(node)
+        for dep in graph[node]:
+            visit(dep)
+        stack.pop()
+        seen.add(node)
+    for node in graph:
+        visit(node)
+
+
+def test_optional_envs_are_named_in_the_registry_not_imported():
+    lazy = {k: v for k, v in envs.ENVS.items() if isinstance(v, str)}
+    assert lazy and all(v.startswith("extras.") and ":" in v for v in lazy.values())
+
+
+@pytest.mark.parametrize("module", sorted(BUDGET))
+def test_core_files_keep_their_line_budgets(module):
+    lines = len((ROOT / f"{module}.py").read_text().splitlines())
+    assert lines <= BUDGET[module], f"{module}.py has {lines} lines, budget {BUDGET[module]}"
+
+
+# ----------------------------------------------------------------------------- intervene.py with objects of its own
+
+class WordChat:
+    """A chat of whole words: each word an id, eos = 0; a turn is the action's words."""
+    eos_id = 0
+
+    def __init__(self):
+        self.vocab = {"<eos>": 0}
+
+    def ids(self, text):
+        return [self.vocab.setdefault(w, len(self.vocab)) for w in text.split()]
+
+    def text(self, ids):
+        words = {i: w for w, i in self.vocab.items()}
+        return " ".join(words[i] for i in ids if i != self.eos_id)
+
+    prompt_ids = turn_ids = lambda self, content, role=None: self.ids("user " + content)
+    action_text = text
+    action_ids = ids
+
+
+class Session:
+    def __init__(self, n):
+        self.n = n
+
+    def feed(self, rows, chunks):
+        pass
+
+    def keep(self, rows):
+        self.n = len(rows)
+
+    def retract(self, row, n):
+        pass
+
+
+class OptimalPolicy:
+    """Samples the env's optimal action (through the trajectory's env, set by the test) and scores every token -0.1."""
+    max_turn_tokens = 3
+
+    def __init__(self):
+        self.chat, self.envs_of_rows = WordChat(), []
+
+    def session(self, prefixes, seeds=None):
+        return Session(len(prefixes))
+
+    def sample_turn(self, session, rows):
+        ids = [self.chat.ids("move right") + [0] for _ in rows]
+        return ids, [[-0.5] * len(i) for i in ids]
+
+    def generate(self, contexts, max_new):
+        ids = [self.chat.ids("move right") + [0] for _ in contexts]
+        return ids, [[-0.2] * len(i) for i in ids]
+
+    def score(self, seqs):
+        return [[-0.1] * len(s) for s in seqs]
+
+
+class Traj:
+    """The Episode protocol in a few lines."""
+    def __init__(self, task, group, chat):
+        self.task, self.group, self.seed, self.reward, self.intervention = task, group, None, 0.0, None
+        self.ids, self.loss_mask, self.source, self.sample_logp = [], [], [], []
+        self.turns, self.actions, self.observations = [], [], []
+
+    def truncated(self, k):
+        t = Traj(self.task, self.group, None)
+        end = self.turns[k][0] if k < len(self.turns) else len(self.ids)
+        t.ids, t.loss_mask, t.source, t.sample_logp = (x[:end] for x in (self.ids, self.loss_mask, self.source,
+                                                                          self.sample_logp))
+        t.turns, t.actions, t.observations = self.turns[:k], self.actions[:k], self.observations[:k + 1]
+        return t
+
+    def step(self, chat, env, agent_ids, logp, source):
+        start = len(self.ids)
+        self.ids += agent_ids
+        self.loss_mask += [1] * len(agent_ids)
+        self.source += [source] * len(agent_ids)
+        self.sample_logp += logp
+        self.turns.append((start, len(self.ids)))
+        self.actions.append(chat.action_text(agent_ids))
+        obs, done = env.step(self.actions[-1])
+        if done:
+            self.reward = float(env.score().success)
+            return None
+        self.observations.append(obs)
+        chunk = chat.turn_ids(obs)
+        self.ids += chunk
+        self.loss_mask += [0] * len(chunk)
+        self.source += [POLICY] * len(chunk)
+        self.sample_logp += [0.0] * len(chunk)
+        return chunk
+
+
+def test_intervene_runs_with_a_policy_and_trajectories_written_here():
+    """A 1x3 corridor: the agent must move right twice and finish. Every trajectory of the group finished at once
+    (a failure). The rule corrector rewrites that `finish` into `move right`, the policy goes on with `move right`,
+    then its `move right` at the goal is flagged too and rewritten into `finish`: two corrections a trajectory."""
+    task = envs.NavTask("corridor", 1, 3, walls=[], start=[0, 0], waypoints=[[0, 2]], max_turns=6)
+    policy = OptimalPolicy()
+    trajs = []
+    for _ in range(2):
+        env = envs.Navigation(task)
+        t = Traj(task, 0, policy.chat)
+        t.observations.append(env.reset())
+        t.ids = policy.chat.prompt_ids(t.observations[0])
+        t.loss_mask, t.source, t.sample_logp = [0] * len(t.ids), [POLICY] * len(t.ids), [0.0] * len(t.ids)
+        t.step(policy.chat, env, policy.chat.ids("finish") + [0], [-1.0, -1.0], POLICY)
+        assert t.reward == 0.0
+        trajs.append(t)
+    cfg = intervene.RTIConfig(corrector="rule", ppl_gate=True, ppl_max=2.0, intervene_per_group=2)
+    out, stats = intervene.intervene_batch(policy, trajs, cfg, envs.Navigation)
+    assert stats["groups_triggered"] == 1 and stats["steps_flagged"] == 4 and stats["corrections_accepted"] == 4
+    assert stats["gate_kept"] == 2 and stats["ppl_kept_mean"] == pytest.approx(2.718281828 ** 0.1)
+    for t in out:
+        assert t.reward == 1.0 and t.actions == ["move right", "move right", "finish"]
+        trained = [(s, lp) for s, lp, m in zip(t.source, t.sample_logp, t.loss_mask) if m]
+        assert trained == [(INTERVENED, 0.0)] * 3 + [(POLICY, -0.5)] * 3 + [(INTERVENED, 0.0)] * 2
