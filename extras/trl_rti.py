@@ -170,6 +170,12 @@ AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean
        "dapo": "token-mean"}      # TRL loss_type -> our LossConfig.agg (dapo: token-mean, renormalised below)
 
 
+def rollout_seed(seed: int, step: int, rank: int = 0) -> int:
+    """The rollout seed of an optimizer step. Each episode samples from a stream fixed by (this seed, task, sample
+    index) alone (rti.episode_seed), so a task's G episodes are the same whatever else is in the batch."""
+    return seed * 1_000_003 + step * 7919 + rank
+
+
 def rubric_reward(completions, **kwargs):
     """Stand-in reward source (GRPOTrainer requires one). RTIGRPOTrainer never calls it: its rollout scores each
     episode with the Navigation rubric."""
@@ -201,6 +207,7 @@ class RTIGRPOTrainer(GRPOTrainer):
             max_len=self.max_completion_length if self.loss_type == "dr_grpo" else None)
         self.rti_config, self.max_turn_tokens = rti_config, max_turn_tokens
         self.rti_stats: list[dict] = []
+        self.rti_trajs: list = []
 
     def sampler(self):
         """Our sampler around TRL's (unwrapped) model, at TRL's temperature and top_p."""
@@ -218,7 +225,7 @@ class RTIGRPOTrainer(GRPOTrainer):
             raise ValueError("RTIGRPOTrainer: a generation batch must hold each task G times in a row")
         tasks = [task_of(g[0]) for g in groups]
         sampler = self.sampler()
-        seed = self.args.seed * 1_000_003 + self.state.global_step * 7919 + self.accelerator.process_index
+        seed = rollout_seed(self.args.seed, self.state.global_step, self.accelerator.process_index)
         t0 = time.perf_counter()
         trajs = rollout(sampler, tasks, G, seed)
         t1 = time.perf_counter()
@@ -230,6 +237,7 @@ class RTIGRPOTrainer(GRPOTrainer):
                 if isinstance(v, (int, float)) and not math.isnan(v):
                     self._metrics[mode][f"rti/{k}"].append(float(v))
         self.model.train(mode == "train")            # rollout put the model in eval mode
+        self.rti_trajs = trajs                       # the batch as trained, in rollout order (tests, debugging)
         t2 = time.perf_counter()
 
         out = self.collate(sampler, trajs, device)
