@@ -55,7 +55,14 @@ Sampler = rti.Policy                     # -> rti.Sampler
 RTIConfig = intervene.RTIConfig
 load_model = rti.load_model
 rollout = rti.rollout
+Trajectory = rti.Trajectory
+update = rti.update                      # update(sampler, opt, trajs, advantages, train_config(...))
 WARMSTART = rti.WARMSTART_DIR
+
+
+def train_config(**flags):
+    """rti.Config from flat flags (micro_batch, agg, clip_high, lr); -> nested (cfg.loss, cfg.rti) on merge."""
+    return rti.Config(**flags)
 
 
 def run_intervention(sampler, trajs, cfg):
