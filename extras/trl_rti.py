@@ -71,10 +71,13 @@ def run_intervention(sampler, trajs, cfg):
 
 
 # ----------------------------------------------------------------------------- TRL imports (optional package)
+INSTALL = "pip install -r requirements-trl.txt   (trl==1.16.0)"
 from transformers import PreTrainedTokenizerFast  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402  (pip install trl==1.16.0)
 
-INSTALL = "pip install trl==1.16.0"
+try:
+    from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+except ImportError as e:   # say how to get it
+    raise ImportError(f"extras.trl_rti needs TRL: {INSTALL}") from e
 
 
 # ----------------------------------------------------------------------------- data
