@@ -12,8 +12,7 @@ pytest.importorskip("trl", reason="TRL integration tests need trl: pip install -
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import envs  # noqa: E402
-import rti  # noqa: E402
-from extras import trl_rti  # noqa: E402
+from extras import trl_rti  # noqa: E402   (core names come through trl_rti's "core names" block)
 from loss import INTERVENED, POLICY  # noqa: E402
 
 G = 4
@@ -28,7 +27,7 @@ def one_thread():
 
 
 def warm():
-    return rti.load_model(rti.WARMSTART_DIR)
+    return trl_rti.load_model(trl_rti.WARMSTART)
 
 
 def params(model):
@@ -45,8 +44,8 @@ def test_tool_template_renders_what_our_rollout_feeds_the_model():
     """TRL builds a tool episode as prompt + sampled ids + the suffix of each tool message; with TOOL_TEMPLATE these
     are exactly the ids rti.Chat gives our rollout, so the tiny model sees its training format in TRL too."""
     from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
-    _, tok = warm()
-    ttok, chat = trl_rti.tool_tokenizer(tok), rti.Chat(tok)
+    model, tok = warm()
+    ttok, chat = trl_rti.tool_tokenizer(tok), trl_rti.Sampler(model, tok).chat
     assert supports_tool_calling(ttok) and is_chat_template_prefix_preserving(ttok)
     env = envs.Navigation(envs.make_tasks("train")[0])
     first = env.reset()
@@ -117,7 +116,7 @@ def failing_tasks(n, seed):
     """n train tasks whose G episodes all fail under the warm start at the trainer's first rollout seed."""
     model, tok = warm()
     tasks = envs.make_tasks("train")[:48]
-    trajs = rti.rollout(rti.Policy(model, tok), tasks, G, trl_rti.rollout_seed(seed, 0))
+    trajs = trl_rti.rollout(trl_rti.Sampler(model, tok), tasks, G, trl_rti.rollout_seed(seed, 0))
     bad = [t for i, t in enumerate(tasks) if not any(x.reward for x in trajs[i * G:(i + 1) * G])]
     assert len(bad) >= n
     return bad[:n]
