@@ -49,7 +49,7 @@ import torch
 import envs
 import intervene
 import rti
-from loss import INTERVENED, POLICY, LossConfig, group_advantages, policy_loss
+from loss import POLICY, LossConfig, group_advantages, policy_loss
 
 Sampler = rti.Policy                     # -> rti.Sampler
 RTIConfig = intervene.RTIConfig
