@@ -239,6 +239,8 @@ SPLITS = {  # easy: the warm start's; train / test: the hard distribution RL tra
     "test": SplitSpec(7, 7, 0.45, 4, 4, n=150, seed=3),
 }
 
+CARVED = {"fit": ("train", slice(0, 500)), "val": ("train", slice(500, 600))}   # validation carved from train
+
 
 def generate_task(spec: SplitSpec, rng: random.Random, task_id: str) -> NavTask:
     """Draw round(density * cells) walls, a start and K waypoints on free cells; redraw until
@@ -438,11 +440,12 @@ class Navigation(Env):
 
     @classmethod
     def splits(cls) -> list[str]:
-        return list(SPLITS)
+        return list(SPLITS) + list(CARVED)
 
     @classmethod
     def tasks(cls, split: str) -> list[NavTask]:
-        return make_tasks(split)
+        """A split of SPLITS, or of CARVED (parts of train, to choose settings on without touching test)."""
+        return make_tasks(CARVED[split][0])[CARVED[split][1]] if split in CARVED else make_tasks(split)
 
     @classmethod
     def vocabulary(cls) -> list[str]:

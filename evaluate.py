@@ -1,4 +1,5 @@
-"""Evaluation metrics as in the paper: pass@k, pass^k, and their averages over k = 1..4.
+"""Metrics as in the paper: pass@k, pass^k and their averages over k = 1..4; the intervention statistics of its
+Table 6 (from intervene.intervene_batch's counts).
 
 With n samples per task of which c succeed:
 
@@ -86,3 +87,55 @@ def format_table(rows: dict[str, dict[str, float]]) -> str:
         cells = [f"{r[key]:.2f}" if key in r else "-" for key, _ in cols]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- intervention statistics (Table 6)
+
+RATES = {"trigger_rate": ("groups_triggered", "groups"), "flag_rate": ("steps_flagged", "steps_checked"),
+         "accept_rate": ("corrections_accepted", "steps_flagged"),
+         "reject_rate": ("corrections_rejected", "steps_flagged"),
+         "with_accepted_rate": ("with_accepted", "intervened"),
+         "corrected_success_rate": ("corrected_successes", "with_accepted"),
+         "ppl_kept_mean": ("ppl_kept_sum", "gate_kept"), "ppl_dropped_mean": ("ppl_dropped_sum", "gate_dropped"),
+         "calls_corrected_mean": ("calls_corrected_sum", "gate_kept"),
+         "calls_original_mean": ("calls_original_sum", "gate_kept")}
+
+
+def intervention_rates(counts: dict) -> dict:
+    """The counts plus the rates and means of RATES, name -> (numerator, denominator), the figures of the paper's
+    Table 6 (NaN where the denominator is 0)."""
+    counts = {**{k: 0 for pair in RATES.values() for k in pair}, **{k: v for k, v in counts.items() if k not in RATES}}
+    return {**counts, **{k: counts.get(a, 0) / counts[b] if counts.get(b) else float("nan")
+                         for k, (a, b) in RATES.items()}}
+
+
+def run_totals(steps: list[dict]) -> dict:
+    """The statistics of a whole run from its steps' summaries: counts and sums add up, rates are taken again."""
+    total: dict = {}
+    for st in steps:
+        for k, v in st.items():
+            if k not in RATES:
+                total[k] = total.get(k, 0) + v
+    return intervention_rates(total)
+
+
+def intervention_report(s: dict) -> str:
+    """The run's statistics in the rows of the paper's Table 6, then the gate's."""
+    n = lambda k: s.get(k, 0)                                            # noqa: E731
+    pct = lambda k: "n/a" if s[k] != s[k] else f"{100 * s[k]:.1f}%"      # noqa: E731
+    num = lambda k: "n/a" if s[k] != s[k] else f"{s[k]:.2f}"             # noqa: E731
+    return "\n".join([
+        f"rollout groups with intervention triggered: {n('groups_triggered')} / {n('groups')} ({pct('trigger_rate')})",
+        f"rollout steps flagged as invalid by the validator: {n('steps_flagged')} / {n('steps_checked')} "
+        f"({pct('flag_rate')})",
+        f"corrections accepted by the verifier: {n('corrections_accepted')} / {n('steps_flagged')} "
+        f"({pct('accept_rate')})",
+        f"corrections rejected by the verifier: {n('corrections_rejected')} / {n('steps_flagged')} "
+        f"({pct('reject_rate')}; {n('correction_attempts')} attempts)",
+        f"intervened trajectories with >= 1 accepted correction: {n('with_accepted')} / {n('intervened')} "
+        f"({pct('with_accepted_rate')}); of those successful: {n('corrected_successes')} "
+        f"({pct('corrected_success_rate')})",
+        f"avg. tool calls per trajectory (corrected vs. original, kept ones): {num('calls_corrected_mean')} vs. "
+        f"{num('calls_original_mean')}",
+        f"perplexity gate: kept {n('gate_kept')} (mean PPL {num('ppl_kept_mean')}), dropped {n('gate_dropped')} "
+        f"(mean PPL {num('ppl_dropped_mean')})"])

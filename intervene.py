@@ -49,15 +49,18 @@ class RTIConfig:
     validator: str = "rubric"       # "rubric" | "llm"
     corrector: str = "self"         # "self" | "rule"
     verifier: str = "rubric"        # "rubric" | "llm" | "none" (the paper's "w/o verifier": every rewrite accepted)
+    group_mode: str = "replace"     # "paired" | "replace": see intervene_batch
+    intervene_per_group: int = 0    # replace: failed trajectories corrected per triggered group; 0 = half of it
     ppl_gate: bool = True           # False = "w/o PPL gate"
     ppl_max: float = 4.0
+    gate_scope: str = "intervened"  # tokens the gate's perplexity is over: "intervened" | "agent" | "trajectory"
     correction_tries: int = 3
     max_corrections: int = 8        # per trajectory
-    intervene_per_group: int = 0    # failed trajectories corrected per triggered group; 0 = half of it
 
     def __post_init__(self):
         for name, ok, why in [(name, getattr(self, name) in table, f"must be one of {sorted(table)}") for name, table
-                              in (("validator", VALIDATORS), ("corrector", CORRECTORS), ("verifier", VERIFIERS))] + [
+                              in (("validator", VALIDATORS), ("corrector", CORRECTORS), ("verifier", VERIFIERS),
+                                  ("group_mode", ("paired", "replace")), ("gate_scope", GATE_SCOPES))] + [
                 ("ppl_max", self.ppl_max > 1, "must be > 1 (a perplexity)"),
                 ("correction_tries", self.correction_tries >= 1, "must be >= 1"),
                 ("max_corrections", self.max_corrections >= 0, "must be >= 0"),
@@ -221,7 +224,8 @@ def call_role(fn, cases, *args, default, stats):
 
 
 def correct(cases: list[StepUnderReview], corrector, verifier, tries: int, stats: Counter) -> list[Rewrite | None]:
-    """Ask the corrector and the verifier up to `tries` times per case; the first accepted rewrite wins."""
+    """Ask the corrector and the verifier up to `tries` times per flagged step; the first accepted rewrite wins. One
+    verdict per step is counted (accepted or rejected, as the paper's Table 6), and every attempt."""
     result: list[Rewrite | None] = [None] * len(cases)
     todo = list(range(len(cases)))
     for _ in range(tries):
@@ -231,46 +235,50 @@ def correct(cases: list[StepUnderReview], corrector, verifier, tries: int, stats
                              stats=stats)
         for (i, r), ok in zip(asked, verdicts):
             result[i] = r if ok else None
-        stats["corrections_accepted"] += sum(result[i] is not None for i in todo)
-        stats["corrections_rejected"] += sum(result[i] is None for i in todo)
+        stats["correction_attempts"] += len(todo)
         todo = [i for i in todo if result[i] is None]
+    stats["corrections_accepted"] += len(cases) - result.count(None)
+    stats["corrections_rejected"] += result.count(None)
     return result
 
 
 def intervene_batch(policy: Policy, trajs: list[Episode], cfg: RTIConfig,
                     make_env: Callable[[Any], Env]) -> tuple[list[Episode], dict]:
     """Run RTI on one training batch of groups; `make_env(task)` gives a fresh environment to replay an episode in.
-    Returns the new list and the step's statistics (step_summary).
+    Returns the new batch and the step's counts (evaluate.intervention_rates adds the rates of the paper's Table 6).
 
-    Trigger: group g is intervened on iff max_i r_i = 0. Only the first `intervene_per_group` trajectories of a
-    triggered group (default half) are corrected, so a group whose corrections all succeed keeps a reward spread."""
+    Trigger: group g is intervened on iff max_i r_i = 0. group_mode "paired" (what the paper's Table 6 counts imply):
+    every trajectory of a triggered group is validated and corrected, validation goes on after a rejected step, and
+    a corrected trajectory that succeeds and passes the gate joins its group beside its original (same `group`), so
+    the two share a prefix with opposite-sign advantages. "replace": the first `intervene_per_group` trajectories
+    (default half) are corrected from their first flagged step only, and a kept correction replaces its original."""
     validator, corrector = VALIDATORS[cfg.validator](policy), CORRECTORS[cfg.corrector](policy)
-    verifier = VERIFIERS[cfg.verifier](policy)
-    stats = Counter()
+    verifier, paired, stats = VERIFIERS[cfg.verifier](policy), cfg.group_mode == "paired", Counter()
     groups = {g: [i for i, t in enumerate(trajs) if t.group == g] for g in dict.fromkeys(t.group for t in trajs)}
     triggered = [g for g, idx in groups.items() if max(trajs[i].reward for i in idx) <= 0]
-    chosen = [i for g in triggered for i in groups[g][:cfg.intervene_per_group or max(1, len(groups[g]) // 2)]]
+    chosen = [i for g in triggered for i in (groups[g] if paired else
+                                             groups[g][:cfg.intervene_per_group or max(1, len(groups[g]) // 2)])]
     stats.update(groups=len(groups), groups_triggered=len(triggered), intervened=len(chosen))
     if not chosen:
-        return trajs, step_summary(stats)
-    flagged = first_flagged_steps([trajs[i] for i in chosen], make_env, validator, stats)   # 1. replay
-    flagged = flagged if cfg.max_corrections > 0 else []
-    rewrites = correct([c for _, c in flagged], corrector, verifier, cfg.correction_tries, stats)   # 2. correct
-    fixed = [(chosen[j], c, r) for (j, c), r in zip(flagged, rewrites) if r is not None]
-    done = continue_episodes(policy, fixed, validator, corrector, verifier, cfg, stats)   # 3. continue
-    out = list(trajs)                                                                      # 4. gate and replace
-    successes = [(i, t) for i, t in done if t.reward > 0]
+        return trajs, dict(stats)
+    fixed = first_corrections([trajs[i] for i in chosen], make_env, validator, corrector, verifier, cfg, stats)
+    done = continue_episodes(policy, [(chosen[j], c, r) for j, c, r in fixed], validator, corrector, verifier, cfg,
+                             stats)
+    out, successes = list(trajs), [(i, t) for i, t in done if t.reward > 0]
     stats.update(with_accepted=len(done), corrected_successes=len(successes))
-    for (i, t), ppl in zip(successes, intervened_ppl(policy, [t for _, t in successes])):
-        keep = (not cfg.ppl_gate) or ppl <= cfg.ppl_max
+    for (i, t), ppl in zip(successes, intervened_ppl(policy, [t for _, t in successes], cfg.gate_scope)):
+        keep = (not cfg.ppl_gate) or ppl <= cfg.ppl_max                                  # 4. gate
         stats["gate_kept" if keep else "gate_dropped"] += 1
         stats["ppl_kept_sum" if keep else "ppl_dropped_sum"] += ppl
         t.intervention["ppl"] = ppl
         if keep:
             stats["calls_corrected_sum"] += len(t.actions)
             stats["calls_original_sum"] += len(trajs[i].actions)
-            out[i] = t
-    return out, step_summary(stats)
+            if paired:
+                out.append(t)
+            else:
+                out[i] = t
+    return out, dict(stats)
 
 
 def review(cases: list[StepUnderReview], validator, stats: Counter) -> list[bool]:
@@ -283,22 +291,33 @@ def review(cases: list[StepUnderReview], validator, stats: Counter) -> list[bool
     return [not c.valid for c in checks]
 
 
-def first_flagged_steps(trajs: list[Episode], make_env, validator, stats: Counter) -> list[tuple[int, StepUnderReview]]:
-    """Replay the trajectories' actions in lockstep in fresh envs, validating each step; return (index, step) for
-    each trajectory's first flagged step, its env left in the state before that step."""
-    live, out, k = [(j, make_env(t.task)) for j, t in enumerate(trajs)], [], 0
-    for _, env in live:
+def first_corrections(trajs: list[Episode], make_env, validator, corrector, verifier, cfg: RTIConfig,
+                      stats: Counter) -> list[tuple[int, StepUnderReview, Rewrite]]:
+    """1. replay, 2. correct: replay the trajectories' actions in lockstep in fresh envs, validating each step, and
+    correct the flagged ones; return (index, step, rewrite) of each trajectory's first accepted rewrite, its env in
+    the state before that step. After a rejection the original action stands and, in paired mode, the replay goes on
+    to the next flagged step (rounds: every trajectory's next flag, then their corrections together)."""
+    items = [(j, make_env(t.task), 0) for j, t in enumerate(trajs)]   # (trajectory, its env, next step)
+    for _, env, _ in items:
         env.reset()
-    while live:
-        live = [(j, env) for j, env in live if k < len(trajs[j].actions)]
-        cases = [StepUnderReview(trajs[j].truncated(k), env, trajs[j].actions[k]) for j, env in live]
-        flags = review(cases, validator, stats)
-        for (j, env), case, flagged in zip(live, cases, flags):
-            if flagged:
-                out.append((j, case))
-            else:
-                env.step(case.action)
-        live, k = [x for x, flagged in zip(live, flags) if not flagged], k + 1
+    out = []
+    while items:
+        flagged = []
+        while items:
+            items = [(j, env, k) for j, env, k in items if k < len(trajs[j].actions)]
+            cases = [StepUnderReview(trajs[j].truncated(k), env, trajs[j].actions[k]) for j, env, k in items]
+            flags = review(cases, validator, stats)
+            flagged += [(j, case, k) for (j, _, k), case, bad in zip(items, cases, flags) if bad]
+            items = [(j, env, k + 1) for (j, env, k), case, bad in zip(items, cases, flags) if not bad]
+            for j, env, k in items:
+                env.step(trajs[j].actions[k - 1])
+        tries = cfg.correction_tries if cfg.max_corrections > 0 else 0
+        for (j, case, k), rw in zip(flagged, correct([c for _, c, _ in flagged], corrector, verifier, tries, stats)):
+            if rw is not None:
+                out.append((j, case, rw))
+            elif cfg.group_mode == "paired":
+                case.env.step(case.action)
+                items.append((j, case.env, k + 1))
     return out
 
 
@@ -341,60 +360,19 @@ def continue_episodes(policy: Policy, fixed, validator, corrector, verifier, cfg
                 feed.append(rw.agent_ids + step(r, rw.agent_ids, rw.logp, INTERVENED))
 
 
-def intervened_ppl(policy: Policy, trajs: list[Episode]) -> list[float]:
-    """PPL = exp(-mean_{t in I} log pi_old(y_t | h_t)) over the intervened tokens I, scored by the policy without the
-    hint in its context (our reading of the paper's gate)."""
+GATE_SCOPES = ("intervened", "agent", "trajectory")
+
+
+def intervened_ppl(policy: Policy, trajs: list[Episode], scope: str = "intervened") -> list[float]:
+    """PPL = exp(-mean_{t in S} log pi_old(y_t | h_t)), scored by the policy without the hint in its context (our
+    reading of the paper's gate), over the tokens S of `scope`: the intervened tokens I (a corrector rewrites whole
+    turns, so I is the corrected turns), every agent token ("agent": the sequence perplexity of what the agent
+    wrote), or every token after the first message ("trajectory")."""
     out = []
     for t, lp in zip(trajs, policy.score([t.ids for t in trajs]) if trajs else []):
-        vals = [v for v, s, m in zip(lp, t.source, t.loss_mask) if s == INTERVENED and m]
+        picks = {"intervened": [s == INTERVENED and m for s, m in zip(t.source, t.loss_mask)], "agent": t.loss_mask,
+                 "trajectory": [i >= t.turns[0][0] for i in range(len(t.ids))]}[scope]
+        vals = [v for v, pick in zip(lp, picks) if pick]
         nll = -sum(vals) / len(vals) if vals else 0.0
         out.append(math.exp(nll) if nll < 700 else math.inf)   # exp overflows a float past ~709
     return out
-
-
-RATES = {"trigger_rate": ("groups_triggered", "groups"), "flag_rate": ("steps_flagged", "steps_checked"),
-         "accept_rate": ("corrections_accepted", "corrections_tried"),
-         "with_accepted_rate": ("with_accepted", "intervened"),
-         "corrected_success_rate": ("corrected_successes", "with_accepted"),
-         "ppl_kept_mean": ("ppl_kept_sum", "gate_kept"), "ppl_dropped_mean": ("ppl_dropped_sum", "gate_dropped"),
-         "calls_corrected_mean": ("calls_corrected_sum", "gate_kept"),
-         "calls_original_mean": ("calls_original_sum", "gate_kept")}
-
-
-def step_summary(counts: dict) -> dict:
-    """The counts plus the rates and means of RATES, name -> (numerator, denominator), the figures of the paper's
-    Table 6 (NaN where the denominator is 0)."""
-    counts = {**{k: 0 for pair in RATES.values() for k in pair}, "corrections_rejected": 0,
-              **{k: v for k, v in counts.items() if k not in RATES}}
-    counts["corrections_tried"] = counts["corrections_accepted"] + counts["corrections_rejected"]
-    return {**counts, **{k: counts.get(a, 0) / counts[b] if counts.get(b) else float("nan")
-                         for k, (a, b) in RATES.items()}}
-
-
-def run_totals(steps: list[dict]) -> dict:
-    """The statistics of a whole run from its steps' summaries: counts and sums add up, rates are taken again."""
-    total: dict = {}
-    for st in steps:
-        for k, v in st.items():
-            if k not in RATES:
-                total[k] = total.get(k, 0) + v
-    return step_summary(total)
-
-
-def report(s: dict) -> str:
-    """A few lines in the terms of the paper's Table 6."""
-    n = lambda k: s.get(k, 0)                                            # noqa: E731
-    pct = lambda k: "n/a" if s[k] != s[k] else f"{100 * s[k]:.1f}%"      # noqa: E731
-    num = lambda k: "n/a" if s[k] != s[k] else f"{s[k]:.2f}"             # noqa: E731
-    return "\n".join([
-        f"groups triggered (all G failed): {n('groups_triggered')} of {n('groups')} ({pct('trigger_rate')})",
-        f"steps flagged by the validator: {n('steps_flagged')} of {n('steps_checked')} ({pct('flag_rate')})",
-        f"corrections accepted by the verifier: {n('corrections_accepted')} of {n('corrections_tried')} "
-        f"({pct('accept_rate')})",
-        f"intervened trajectories with >= 1 accepted correction: {n('with_accepted')} of {n('intervened')} "
-        f"({pct('with_accepted_rate')}); of those successful: {n('corrected_successes')} "
-        f"({pct('corrected_success_rate')})",
-        f"perplexity gate: kept {n('gate_kept')} (mean PPL {num('ppl_kept_mean')}), dropped {n('gate_dropped')} "
-        f"(mean PPL {num('ppl_dropped_mean')})",
-        f"tool calls per kept trajectory: corrected {num('calls_corrected_mean')} vs original "
-        f"{num('calls_original_mean')}"])

@@ -84,6 +84,17 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, scale:
     return torch.where(zero_spread, torch.zeros_like(adv), adv).view(-1)
 
 
+def advantages_by_group(rewards: Tensor, group_ids: list, scale: bool = True) -> Tensor:
+    """group_advantages for groups of any size: rows with the same id form a group, wherever they are (paired RTI
+    enlarges a triggered group with its corrections). Example: ids [0, 0, 0, 0, 1, 1], rewards [0, 0, 1, 1, 1, 1]
+    -> group 0 as group_advantages(rewards[:4], 4), group 1 zero spread: A [-.866, -.866, .866, .866, 0, 0]."""
+    adv = torch.zeros_like(rewards, dtype=rewards.dtype if rewards.is_floating_point() else torch.float32)
+    for g in dict.fromkeys(group_ids):
+        rows = [i for i, x in enumerate(group_ids) if x == g]
+        adv[rows] = group_advantages(rewards[rows], len(rows), scale=scale)
+    return adv
+
+
 def token_weights(behavior_logp: Tensor, old_logp: Tensor, intervened_mask: Tensor,
                   w_min: float = 0.2, w_max: float = 3.0) -> Tensor:
     """Calibrated token weights (our reading), detached, [B, T]:
@@ -220,7 +231,8 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: T
     (trained INTERVENED tokens whose exp(logp - log mu) lies outside [1 - clip_low, 1 + clip_high];
     0.0 if none), weight_mean/max (w_t on trained INTERVENED tokens; 1.0 if none), approx_kl
     (k3 estimate of KL(pi_old || pi_theta): mean of exp(l) - 1 - l, l = logp - old_logp),
-    ref_kl (mean k3 to the reference; 0.0 without ref_logp), intervened_frac.
+    ref_kl (mean k3 to the reference; 0.0 without ref_logp), intervened_frac; and per source (policy/...,
+    intervened/...: tokens of that source with a clipped surrogate) ratio_mean/min/max and clip_frac.
     """
     _validate(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_logp, config)
     trained = loss_mask != 0
@@ -272,4 +284,9 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: T
             "ref_kl": mean(ref_kl, trained, 0.0) if ref_logp is not None else 0.0,
             "intervened_frac": inter.sum().item() / n,
         }
+        for name, sel in (("policy", ratio_tok & ~inter), ("intervened", ratio_tok & inter)):   # by source
+            metrics.update({f"{name}/ratio_mean": mean(rho, sel, 1.0),
+                            f"{name}/ratio_min": rho[sel].min().item() if sel.any() else 1.0,
+                            f"{name}/ratio_max": rho[sel].max().item() if sel.any() else 1.0,
+                            f"{name}/clip_frac": (clipped & sel).sum().item() / max(1, sel.sum().item())})
     return loss, metrics

@@ -34,7 +34,7 @@ import envs
 import evaluate
 import intervene
 from intervene import RTIConfig
-from loss import INTERVENED, POLICY, LossConfig, group_advantages, policy_loss
+from loss import POLICY, LossConfig, advantages_by_group, policy_loss
 
 WARMSTART_DIR = "checkpoints/warmstart"
 
@@ -62,7 +62,8 @@ class Config:
     steps: int = 12
     lr: float = 1e-4
     weight_decay: float = 0.0
-    updates_per_batch: int = 1
+    updates_per_batch: int = 1          # epochs over each rollout batch
+    mini_batches: int = 1               # optimizer steps per epoch, on shuffled parts of the batch
     warmup_steps: int = 0               # linear learning-rate warm-up over the first N steps
     micro_batch: int = 64               # trajectories per forward/backward (gradients accumulate over a batch)
     grad_clip: float = 1.0
@@ -83,8 +84,8 @@ class Config:
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}: {why}, got {getattr(self, name)!r}")
         need(self.group_size >= 2, "group_size", "must be >= 2 for group advantages")
-        for name in ("batch_tasks", "max_turn_tokens", "updates_per_batch", "micro_batch", "eval_samples", "threads",
-                     "save_every"):
+        for name in ("batch_tasks", "max_turn_tokens", "updates_per_batch", "mini_batches", "micro_batch",
+                     "eval_samples", "threads", "save_every"):
             need(getattr(self, name) >= 1, name, "must be >= 1")
         for name in ("steps", "eval_every", "eval_tasks", "warmup_steps"):
             need(getattr(self, name) >= 0, name, "must be >= 0")
@@ -557,45 +558,54 @@ class Backend:
 # ----------------------------------------------------------------------------- RL training
 
 def update(sampler: Sampler, opt, trajs: list[Trajectory], advantages: torch.Tensor, cfg: Config,
-           backend: Backend | None = None) -> dict:
-    """Old log-probs by one scoring pass at the sampling temperature (with one update per batch, the update's own
-    forward pass gives the same numbers, detached: no extra pass), then `updates_per_batch` AdamW steps on
-    loss.policy_loss.
+           backend: Backend | None = None, seed: int = 0) -> dict:
+    """PPO-style updates on one rollout batch: pi_old's log-probs by one scoring pass at the sampling temperature,
+    then `updates_per_batch` epochs, each of `mini_batches` AdamW steps on shuffled parts of the batch (verl's
+    ppo_mini_batch_size, TRL's steps_per_generation), so that from the second step on the ratio and the clip act.
+    With a single step per batch pi_old is the policy being updated: its log-probs are that step's own forward pass
+    (detached), and every ratio is 1.
 
-    Micro-batches of `micro_batch` rows accumulate into one step, each weighted by its share of the batch's tokens
-    (token-mean) or rows, so they add up to the whole batch's loss. With several processes the batch is the global
-    one: shares use global counts, every process runs as many micro-batches as the busiest (empty ones where it has
-    none), and the loss is scaled by the world size, as FSDP averages gradients. Metric `loss` is the batch's loss."""
+    Micro-batches of `micro_batch` rows accumulate into one step, each weighted by its share of the part's tokens
+    (token-mean) or rows, so they add up to the part's loss. With several processes the part is the global one:
+    shares use global counts, every process runs as many micro-batches as the busiest (empty ones where it has
+    none), and the loss is scaled by the world size, as FSDP averages gradients. Metric `loss` is the mean of the
+    steps' losses; the others are means over micro-batches."""
     backend, model = backend or Backend(cfg), sampler.model
-    old = None                           # one update a batch: pi_old's log-probs are the update's own forward
-    if cfg.updates_per_batch > 1:
+    old, steps = None, cfg.updates_per_batch * cfg.mini_batches
+    if steps > 1:
         with backend.gathered(model):
             old = sampler.score([t.ids for t in trajs])
     model.train()
-    n_tok, n_rows = backend.all_reduce(sum(sum(t.loss_mask) for t in trajs)), backend.all_reduce(len(trajs))
-    n_micro = int(backend.all_reduce(math.ceil(len(trajs) / cfg.micro_batch), "max"))
     empty = Trajectory(None, -1, ids=[sampler.tok.pad_token_id], loss_mask=[0], source=[POLICY], sample_logp=[0.0])
-    metrics, batch_loss = [], 0.0
+    metrics, batch_loss, order, rng = [], 0.0, list(range(len(trajs))), random.Random(seed)
     pad = lambda rows, dtype=torch.float32: pad_rows(rows, 0, dtype, sampler.device)   # noqa: E731
     for _ in range(cfg.updates_per_batch):
-        opt.zero_grad(set_to_none=True)
-        for i in range(0, n_micro * cfg.micro_batch, cfg.micro_batch):
-            rows = trajs[i:i + cfg.micro_batch] or [empty]
-            adv = (advantages[i:i + cfg.micro_batch] if rows[0] is not empty else torch.zeros(1)).to(sampler.device)
-            logp = token_logprobs(model, [t.ids for t in rows], sampler.tok.pad_token_id, sampler.temperature,
-                                  sampler.device)
-            mask = pad([t.loss_mask for t in rows])
-            old_logp = logp.detach() if old is None else pad(old[i:i + cfg.micro_batch] or [[0.0]])
-            loss, m = policy_loss(logp, old_logp, adv, mask, source=pad([t.source for t in rows], torch.long),
-                                  behavior_logp=pad([t.sample_logp for t in rows]), config=cfg.loss)
-            share = (mask.sum().item() / max(1, n_tok) if cfg.loss.agg == "token-mean"
-                     else (rows[0] is not empty) * len(rows) / max(1, n_rows))
-            (loss * share * backend.world).backward()
-            batch_loss += loss.item() * share / cfg.updates_per_batch
-            if rows[0] is not empty:
-                metrics.append({"loss": loss.item(), **m})
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        if cfg.mini_batches > 1:
+            rng.shuffle(order)
+        for part in np.array_split(order, cfg.mini_batches):
+            part = part.tolist()
+            n_tok = backend.all_reduce(sum(sum(trajs[r].loss_mask) for r in part))
+            n_rows = backend.all_reduce(len(part))
+            n_micro = int(backend.all_reduce(-(-len(part) // cfg.micro_batch), "max"))
+            opt.zero_grad(set_to_none=True)
+            for i in range(0, n_micro * cfg.micro_batch, cfg.micro_batch):
+                idx = part[i:i + cfg.micro_batch]
+                rows = [trajs[r] for r in idx] or [empty]
+                adv = (advantages[idx] if idx else torch.zeros(1)).to(sampler.device)
+                logp = token_logprobs(model, [t.ids for t in rows], sampler.tok.pad_token_id, sampler.temperature,
+                                      sampler.device)
+                mask = pad([t.loss_mask for t in rows])
+                old_logp = logp.detach() if old is None else pad([old[r] for r in idx] or [[0.0]])
+                loss, m = policy_loss(logp, old_logp, adv, mask, source=pad([t.source for t in rows], torch.long),
+                                      behavior_logp=pad([t.sample_logp for t in rows]), config=cfg.loss)
+                share = (mask.sum().item() / max(1, n_tok) if cfg.loss.agg == "token-mean"
+                         else len(idx) / max(1, n_rows))
+                (loss * share * backend.world).backward()
+                batch_loss += loss.item() * share / steps
+                if idx:
+                    metrics.append({"loss": loss.item(), **m})
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
     out = {k: float(np.mean([m[k] for m in metrics])) for k in (metrics[0] if metrics else ())}
     out["loss"] = backend.all_reduce(batch_loss)
     out["grad_norm"] = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
@@ -605,7 +615,8 @@ def update(sampler: Sampler, opt, trajs: list[Trajectory], advantages: torch.Ten
 def train_step(sampler: Sampler, opt, tasks: list, cfg: Config, seed: int | None = None,
                backend: Backend | None = None) -> dict:
     """Sample -> (RTI) -> rewards -> group advantages -> update. Returns the step's metrics. `seed` fixes the
-    episodes' sampling streams (rollout); the trainer passes one derived from --seed and the step."""
+    episodes' sampling streams (rollout) and the mini-batch shuffle; the trainer derives it from --seed and the step.
+    Groups may differ in size (paired RTI adds corrections to their group): advantages are taken group by group."""
     backend = backend or Backend(cfg)
     t0 = time.time()
     with backend.gathered(sampler.model):   # processes run different numbers of forwards from here to t2
@@ -614,16 +625,17 @@ def train_step(sampler: Sampler, opt, tasks: list, cfg: Config, seed: int | None
         metrics = {"train_success": float(np.mean([t.reward for t in trajs])),
                    "turns": float(np.mean([len(t.actions) for t in trajs]))}
         if cfg.method == "rti":
-            trajs, stats = intervene.intervene_batch(sampler, trajs, cfg.rti, sampler.make_env)
-            metrics.update({f"rti/{k}": v for k, v in stats.items()})
+            trajs, counts = intervene.intervene_batch(sampler, trajs, cfg.rti, sampler.make_env)
+            metrics.update({f"rti/{k}": v for k, v in evaluate.intervention_rates(counts).items()})
     t2 = time.time()
-    rewards = torch.tensor([t.reward for t in trajs])
-    adv = group_advantages(rewards, cfg.group_size, scale=cfg.loss.scale_advantages)
+    rewards, group_ids = torch.tensor([t.reward for t in trajs]), [t.group for t in trajs]
+    adv = advantages_by_group(rewards, group_ids, scale=cfg.loss.scale_advantages)
     metrics["train_success_after_rti"] = float(rewards.mean())
-    metrics["groups_with_spread"] = float((rewards.view(-1, cfg.group_size).std(-1) > 0).float().mean())
+    metrics["groups_with_spread"] = float(np.mean([len({t.reward for t in trajs if t.group == g}) > 1
+                                                   for g in dict.fromkeys(group_ids)]))
     keep = [i for i in range(len(trajs)) if adv[i] != 0]   # zero-advantage rows add nothing but cost
     if backend.all_reduce(len(keep)):                      # with several processes every one joins the update
-        metrics.update(update(sampler, opt, [trajs[i] for i in keep], adv[keep], cfg, backend))
+        metrics.update(update(sampler, opt, [trajs[i] for i in keep], adv[keep], cfg, backend, seed or 0))
     metrics.update({"time/rollout": t1 - t0, "time/intervene": t2 - t1, "time/update": time.time() - t2,
                     "trained_rows": len(keep)})
     return backend.reduce_metrics(metrics)
@@ -693,7 +705,7 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
                 "step": step + 1, "task_rng": task_rng.getstate(), "sample_rng": sampler.gen.get_state(),
                 "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)})
     if cfg.method == "rti":
-        results["interventions"] = intervene.run_totals(rti_steps)
+        results["interventions"] = evaluate.run_totals(rti_steps)
     if cfg.eval_tasks:
         results["after"], results["after_tasks"] = test()
         log_file.write(json.dumps({"step": cfg.steps, **{f"test/{k}": v for k, v in results["after"].items()}}) + "\n")
@@ -711,7 +723,7 @@ def report(cfg: Config, res: dict, seconds: float) -> str:
     lines = [f"\n{cfg.method} on the {cfg.test_split} split ({cfg.eval_tasks} tasks x {cfg.eval_samples} samples):",
              evaluate.format_table(rows)] if rows else []
     if "interventions" in res:
-        lines.append(f"\ninterventions over the run:\n{intervene.report(res['interventions'])}")
+        lines.append(f"\ninterventions over the run:\n{evaluate.intervention_report(res['interventions'])}")
     return "\n".join(lines + [f"wall time {seconds:.0f} s; metrics in {cfg.out}/metrics.jsonl, model in "
                               f"{cfg.out}/model"])
 

@@ -91,8 +91,8 @@ def ours_step(model, tok, opt, tasks, G, seed):
     trajs = []
     for k, (p, a, lp) in enumerate(zip(prompts, ids, logps)):
         t = Trajectory(task=tasks[k // G], group=k // G)
-        t.add(p, 0, POLICY, None)
-        t.add_turn(a, lp, POLICY, sampler.chat.eos_id)
+        t.add(p, 0, POLICY)
+        t.add(a, 1, POLICY, lp)
         t.reward = float(envs.Navigation(t.task).check_step(sampler.chat.action_text(a)).valid)
         trajs.append(t)
     adv = group_advantages(torch.tensor([t.reward for t in trajs]), G)

@@ -10,7 +10,7 @@ Two ways to use this repository from TRL:
    the episodes (tools `move(direction)` and `finish()`), `get_reward()` is our rubric (1 iff every item passes).
    Dataset rows carry the task as JSON (`navigation_dataset`). No RTI: plain GRPO in TRL.
 2. `RTIGRPOTrainer`: generation is ours (`rti.rollout`: lockstep episodes, KV cache kept across turns) followed by
-   the intervention (`intervene.intervene`) on TRL's model; per-token `rti_source` and `rti_behavior_logps` ride
+   the intervention (`intervene.intervene_batch`) on TRL's model; per-token `rti_source` and `rti_behavior_logps` ride
    in TRL's batch (right-padded like `completion_ids`, so TRL's shuffle and split keep them aligned) and the loss is
    `loss.policy_loss` (TRL's `loss_type` mapped to our `agg`, TRL's gradient-accumulation scaling kept).
 
@@ -44,14 +44,14 @@ from dataclasses import asdict
 import torch
 
 # ----------------------------------------------------------------------------- core names
-# The only place this file names the core modules' API; the planned renames apply here (rti.Policy -> rti.Sampler,
-# intervene.intervene -> intervene.intervene_batch(sampler, trajs, cfg, make_env)).
+# The only place this file names the core modules' API.
 import envs
 import intervene
 import rti
+from extras.chat_tools import NavigationTools
 from loss import POLICY, LossConfig, group_advantages, policy_loss
 
-Sampler = rti.Policy                     # -> rti.Sampler
+Sampler = rti.Sampler
 RTIConfig = intervene.RTIConfig
 load_model = rti.load_model
 rollout = rti.rollout
@@ -61,13 +61,12 @@ WARMSTART = rti.WARMSTART_DIR
 
 
 def train_config(**flags):
-    """rti.Config from flat flags (micro_batch, agg, clip_high, lr); -> nested (cfg.loss, cfg.rti) on merge."""
-    return rti.Config(**flags)
+    """rti.Config from flat flags (micro_batch, agg, clip_high, lr, ...)."""
+    return rti.make_config(**flags)
 
 
 def run_intervention(sampler, trajs, cfg):
-    """-> intervene.intervene_batch(sampler, trajs, cfg, make_env)."""
-    return intervene.intervene(sampler, trajs, cfg, lambda task: envs.make_env(task))
+    return intervene.intervene_batch(sampler, trajs, cfg, sampler.make_env)
 
 
 # ----------------------------------------------------------------------------- TRL imports (optional package)
@@ -164,7 +163,7 @@ class ActionTokenizer(PreTrainedTokenizerFast):
         context = (prefix if isinstance(prefix, str) else self.decode(prefix or [])).rsplit("<|user|>", 1)[-1]
         if text in envs.ACTIONS and not any(s in context for s in EPISODE_OVER):
             return {"role": "assistant", "content": "",
-                    "tool_calls": [{"type": "function", "function": envs.Navigation.call_from_action(text)}]}
+                    "tool_calls": [{"type": "function", "function": NavigationTools.call_from_action(text)}]}
         return {"role": "assistant", "content": text}
 
 
@@ -363,7 +362,7 @@ def main(argv=None) -> None:
         print({k: round(row[k], 4) if isinstance(row[k], float) else row[k] for k in keys if k in row})
     if a.command == "train" and trainer.rti_stats:
         print("interventions over the run:")
-        print(intervene.report(intervene.total(trainer.rti_stats)))
+        print(intervene.report(intervene.run_totals(trainer.rti_stats)))
     print(f"wall time {time.time() - t0:.1f} s for {a.steps} steps of {a.tasks} tasks x {a.group_size}")
 
 

@@ -16,8 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
     ["-m", "extras.bench_trl"]])
 def test_every_command_answers_help(command):
     """Each command of the README starts and prints its usage (envs.py and extras.tau2 print theirs on any use)."""
-    if not (ROOT / (command[-1] if command[0] != "-m" else command[1].replace(".", "/") + ".py")).exists():
-        pytest.skip(f"{command} is not in this checkout")
     out = subprocess.run([sys.executable, *command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode in (0, 1) and ("usage" in (out.stdout + out.stderr).lower()
                                          or "first message" in out.stdout), out.stderr[-2000:]

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import envs
+import evaluate
 import intervene
+import loss as loss_mod
 import rti
 from intervene import INTERVENED, POLICY, RTIConfig
 
@@ -226,7 +228,10 @@ def sample(policy, tasks, group_size, mistakes, then=None):
 
 
 def run(policy, trajs, config):
-    return intervene.intervene_batch(policy, trajs, config, policy.make_env)
+    out, counts = intervene.intervene_batch(policy, trajs, config, policy.make_env)
+    stats = evaluate.intervention_rates(counts)
+    assert stats["corrections_accepted"] + stats["corrections_rejected"] == stats["steps_flagged"]   # Table 6's
+    return out, stats
 
 
 def cfg(**kw) -> RTIConfig:
@@ -300,7 +305,7 @@ def test_validator_flags_exactly_the_first_wrong_step(tiny, k1, k2):
     orig = trajs[0]
     out, stats = run(policy, trajs, cfg(intervene_per_group=1))
     assert stats["steps_checked"] == k1 + 1 and stats["steps_flagged"] == 1
-    assert stats["corrections_rejected"] == 3 and out[0] is orig
+    assert stats["corrections_rejected"] == 1 and stats["correction_attempts"] == 3 and out[0] is orig
     env = envs.run_actions(orig.task, orig.actions[:k1])
     reason = env.check_step(orig.actions[k1]).reason
     assert reason.startswith("wall") and reason.endswith(env.hint())
@@ -322,7 +327,7 @@ def test_replay_validates_trajectories_of_different_lengths_in_lockstep(tiny):
     assert stats["intervened"] == 2
     assert stats["steps_checked"] == (1 + 1) + (3 + 1) and stats["steps_flagged"] == 2
     assert sorted(len(q.actions) for q in policy.role_calls["corrector"]) == [1, 1, 1, 3, 3, 3]
-    assert stats["corrections_rejected"] == 6 and out == trajs
+    assert stats["corrections_rejected"] == 2 and stats["correction_attempts"] == 6 and out == trajs
 
 
 # ----------------------------------------------------------------------------- 3. execution and continuation
@@ -398,7 +403,7 @@ def test_rubric_verifier_rejects_a_bad_rewrite(tiny, kind, tries):
         policy.max_turn_tokens = 2
     out, stats = run(policy, trajs, cfg(intervene_per_group=1, correction_tries=tries))
     assert out == trajs and out[0] is trajs[0]
-    assert stats["corrections_rejected"] == tries and stats.get("corrections_accepted", 0) == 0
+    assert stats["corrections_rejected"] == 1 and stats["correction_attempts"] == tries and stats.get("corrections_accepted", 0) == 0
     assert len(policy.role_calls["corrector"]) == tries and stats["with_accepted"] == 0
     assert stats["accept_rate"] == 0.0 and policy.turn_calls == []
 
@@ -609,7 +614,7 @@ def test_llm_verifier_accepts_only_accept(tiny, answer, accepted):
         assert stats["corrections_accepted"] == 1 and stats.get("corrections_rejected", 0) == 0
         assert out[0] is not trajs[0] and out[0].reward == 1.0
     else:
-        assert stats["corrections_rejected"] == 3 and stats.get("corrections_accepted", 0) == 0
+        assert stats["corrections_rejected"] == 1 and stats["correction_attempts"] == 3 and stats.get("corrections_accepted", 0) == 0
         assert out[0] is trajs[0] and len(asked) == 3
 
 
@@ -641,13 +646,13 @@ def test_statistics_count_what_happened(tiny):
         "groups": 3, "groups_triggered": 2, "intervened": 2,
         "steps_checked": (2 + 3) + 2,      # replay: 2 steps of row 2, 3 of row 4; continuation: turns 2, 3 of row 2
         "steps_flagged": 2,
-        "corrections_accepted": 1, "corrections_rejected": 1 + 3,
+        "corrections_accepted": 1, "corrections_rejected": 1, "correction_attempts": 2 + 3,
         "with_accepted": 1, "corrected_successes": 1, "gate_kept": 1, "gate_dropped": 0,
         "calls_corrected_mean": 4, "calls_original_mean": 5,
     }
     assert {k: stats[k] for k in expected} == expected
     assert stats["trigger_rate"] == pytest.approx(2 / 3) and stats["flag_rate"] == pytest.approx(2 / 7)
-    assert stats["accept_rate"] == pytest.approx(1 / 5) and stats["with_accepted_rate"] == 0.5
+    assert stats["accept_rate"] == pytest.approx(1 / 2) and stats["with_accepted_rate"] == 0.5   # per flagged step
     assert stats["corrected_success_rate"] == 1.0 and "role_errors" not in stats
     assert math.isnan(stats["ppl_dropped_mean"]) and stats["ppl_kept_mean"] == out[2].intervention["ppl"]
     assert_unchanged(out, trajs, [0, 1, 3, 4, 5])
@@ -675,7 +680,7 @@ def test_a_broken_role_rejects_and_the_run_goes_on(tiny, monkeypatch, where, pat
     out, stats = run(policy, trajs, cfg(correction_tries=2))
     assert out == trajs and all(a is b for a, b in zip(out, trajs))
     assert stats["role_errors"] == 2                    # one failed call per try (both cases in one batch)
-    assert stats["corrections_rejected"] == 2 * 2 and stats.get("corrections_accepted", 0) == 0
+    assert stats["corrections_rejected"] == 2 and stats["correction_attempts"] == 2 * 2 and stats.get("corrections_accepted", 0) == 0
     assert stats["with_accepted"] == 0 and stats["steps_flagged"] == 2
 
 
@@ -683,7 +688,7 @@ def test_a_role_raising_inside_generate_is_a_rejection(tiny):
     policy = ScriptedPolicy(tiny, corrector=raise_)
     trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
     out, stats = run(policy, trajs, cfg(intervene_per_group=1))
-    assert out[0] is trajs[0] and stats["role_errors"] == 3 and stats["corrections_rejected"] == 3
+    assert out[0] is trajs[0] and stats["role_errors"] == 3 and stats["corrections_rejected"] == 1 and stats["correction_attempts"] == 3
 
 
 @pytest.mark.parametrize("broken", [lambda self, cases: raise_(),
@@ -807,21 +812,75 @@ def test_format_hint_on_the_env_reasons_states_the_hint_once():
 
 
 def test_run_totals_add_counts_and_take_means_over_the_run():
-    a = intervene.step_summary(dict(groups=4, groups_triggered=2, steps_checked=10, steps_flagged=5,
+    a = evaluate.intervention_rates(dict(groups=4, groups_triggered=2, steps_checked=10, steps_flagged=4,
                                                corrections_accepted=3, corrections_rejected=1, intervened=4,
                                                with_accepted=3, corrected_successes=2, gate_kept=2, ppl_kept_sum=6.0,
                                                gate_dropped=1, ppl_dropped_sum=9.0, calls_corrected_sum=12,
                                                calls_original_sum=12))
-    b = intervene.step_summary(dict(groups=4, groups_triggered=1, steps_checked=2, steps_flagged=2,
+    b = evaluate.intervention_rates(dict(groups=4, groups_triggered=1, steps_checked=2, steps_flagged=4,
                                                corrections_accepted=1, corrections_rejected=3, intervened=2,
                                                with_accepted=1, corrected_successes=1, gate_kept=1, ppl_kept_sum=6.0,
                                                calls_corrected_sum=9, calls_original_sum=10))
     assert a["ppl_kept_mean"] == 3.0 and b["ppl_dropped_mean"] != b["ppl_dropped_mean"]     # NaN: nothing dropped
-    s = intervene.run_totals([a, b, intervene.step_summary(dict(groups=4, groups_triggered=0))])
+    s = evaluate.run_totals([a, b, evaluate.intervention_rates(dict(groups=4, groups_triggered=0))])
     assert (s["groups"], s["groups_triggered"], s["gate_kept"], s["gate_dropped"]) == (12, 3, 3, 1)
     assert s["trigger_rate"] == pytest.approx(3 / 12) and s["accept_rate"] == pytest.approx(4 / 8)
     assert s["ppl_kept_mean"] == pytest.approx(4.0) and s["ppl_dropped_mean"] == pytest.approx(9.0)
     assert s["calls_corrected_mean"] == pytest.approx(7.0) and s["calls_original_mean"] == pytest.approx(22 / 3)
-    assert s["corrected_success_rate"] == pytest.approx(3 / 4) and s["flag_rate"] == pytest.approx(7 / 12)
-    text = intervene.report(s)
-    assert "3 of 12" in text and "kept 3 (mean PPL 4.00)" in text
+    assert s["corrected_success_rate"] == pytest.approx(3 / 4) and s["flag_rate"] == pytest.approx(8 / 12)
+    assert s["reject_rate"] == pytest.approx(4 / 8) and s["corrections_accepted"] + s["corrections_rejected"] == 8
+    text = evaluate.intervention_report(s)
+    assert "triggered: 3 / 12 (25.0%)" in text and "kept 3 (mean PPL 4.00)" in text
+
+
+# ----------------------------------------------------------------------------- 9. paired groups (--group-mode paired)
+
+def test_paired_mode_corrects_every_trajectory_keeps_the_originals_and_goes_on_after_a_rejection(tiny):
+    """One triggered group of 4 on T_MID. Row 1's first flagged step (turn 0) gets only rejected rewrites, so its
+    original wall move stands and the replay goes on to its next flagged step (turn 2), which is corrected; the wall
+    hit at turn 0 still fails it. The other rows are corrected at their only mistake and succeed. The originals stay,
+    the 3 successful corrections join the group (same `group`), and the advantages are taken over all 7."""
+    def corrector(q):   # a wall move (rejected) for the first step of an episode, else the right one
+        return wrong_action(q.env, "wall") if not q.actions else q.env.optimal_action()
+    policy = ScriptedPolicy(tiny, corrector=corrector)
+    trajs = sample(policy, [T_MID], 4, [{1: "wall"}, {0: "wall", 2: "wall"}, {2: "finish"}, {3: "wall"}])
+    out, stats = run(policy, trajs, cfg(group_mode="paired"))
+    assert out[:4] == trajs and all(a is b for a, b in zip(out, trajs)) and len(out) == 4 + 3
+    assert stats["intervened"] == 4 and stats["steps_flagged"] == 5
+    assert (stats["corrections_accepted"], stats["corrections_rejected"], stats["correction_attempts"]) == (4, 1, 4 + 3)
+    assert stats["with_accepted"] == 4 and stats["corrected_successes"] == 3 and stats["gate_kept"] == 3
+    corrected = out[4:]
+    assert [t.group for t in corrected] == [0, 0, 0] and all(t.reward == 1.0 for t in corrected)
+    assert corrected[0].actions[:2] == trajs[0].actions[:1] + [envs.run_actions(T_MID, trajs[0].actions[:1])
+                                                               .optimal_action()]      # row 0, fixed at turn 1
+    adv = loss_mod.advantages_by_group(torch.tensor([t.reward for t in out]), [t.group for t in out])
+    mean, std = 3 / 7, math.sqrt((4 * (3 / 7) ** 2 + 3 * (4 / 7) ** 2) / 6)     # unbiased, as group_advantages
+    assert adv.tolist() == pytest.approx([-mean / std] * 4 + [(1 - mean) / std] * 3, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["paired", "replace"])
+def test_gated_out_corrections_never_join_the_batch(tiny, mode):
+    """Corrections of T_MID (PPL 2) pass the gate at 4, those of T_SHORT (PPL 8) do not. Paired: both failures of
+    each group are corrected, the two T_MID corrections join group 0 and the originals all stay; replace: one per
+    group is corrected, and only the kept one replaces its original."""
+    policy, trajs = two_failed_groups(tiny, {T_MID.task_id: 2.0, T_SHORT.task_id: 8.0})
+    out, stats = run(policy, trajs, cfg(ppl_gate=True, ppl_max=4.0, group_mode=mode, intervene_per_group=1))
+    if mode == "paired":
+        assert (stats["intervened"], stats["gate_kept"], stats["gate_dropped"]) == (4, 2, 2)
+        assert len(out) == 6 and out[:4] == trajs and [t.group for t in out[4:]] == [0, 0]
+        assert all(t.task is T_MID and t.reward == 1.0 for t in out[4:])
+    else:
+        assert (stats["intervened"], stats["gate_kept"], stats["gate_dropped"]) == (2, 1, 1)
+        assert len(out) == 4 and out[0] is not trajs[0] and out[0].reward == 1.0 and out[1:] == trajs[1:]
+
+
+@pytest.mark.parametrize("scope", ["intervened", "agent", "trajectory"])
+def test_gate_scope_picks_the_tokens_the_perplexity_is_over(tiny, scope):
+    policy, trajs = two_failed_groups(tiny, {T_MID.task_id: 2.0, T_SHORT.task_id: 2.0})
+    policy.scores = lambda seq: [-float(i % 3) for i in range(len(seq))]     # a different log-prob at each position
+    out, _ = run(policy, trajs, cfg(intervene_per_group=1, gate_scope=scope))
+    t = out[0]
+    pick = {"intervened": [s == INTERVENED and m for s, m in zip(t.source, t.loss_mask)], "agent": t.loss_mask,
+            "trajectory": [i >= t.turns[0][0] for i in range(len(t.ids))]}[scope]
+    vals = [-float(i % 3) for i, p in enumerate(pick) if p]
+    assert t.intervention["ppl"] == pytest.approx(math.exp(-sum(vals) / len(vals)))

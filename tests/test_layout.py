@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import envs
+import evaluate
 import intervene
 from loss import INTERVENED, POLICY
 
@@ -21,7 +22,8 @@ def project_imports(path: Path) -> list[tuple[str, bool]]:
     out = []
     for node in ast.walk(tree):
         names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                 [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) and
+                 node.module == "extras" else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
         for name in names:
             root = name.split(".")[0]
             if root in CORE or root == "extras":
@@ -180,7 +182,8 @@ def test_intervene_runs_with_a_policy_and_trajectories_written_here():
         assert t.reward == 0.0
         trajs.append(t)
     cfg = intervene.RTIConfig(corrector="rule", ppl_gate=True, ppl_max=2.0, intervene_per_group=2)
-    out, stats = intervene.intervene_batch(policy, trajs, cfg, envs.Navigation)
+    out, counts = intervene.intervene_batch(policy, trajs, cfg, envs.Navigation)
+    stats = evaluate.intervention_rates(counts)
     assert stats["groups_triggered"] == 1 and stats["steps_flagged"] == 4 and stats["corrections_accepted"] == 4
     assert stats["gate_kept"] == 2 and stats["ppl_kept_mean"] == pytest.approx(2.718281828 ** 0.1)
     for t in out:

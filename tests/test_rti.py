@@ -1,4 +1,5 @@
 """rti.py: token bookkeeping, KV-cached batched decoding, warm start, training steps, resume, flags, smoke run."""
+import copy
 import json
 import random
 
@@ -8,7 +9,7 @@ import torch
 import envs
 import rti
 from extras import warmstart
-from loss import INTERVENED, POLICY
+from loss import INTERVENED, POLICY, policy_loss
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +268,33 @@ def test_end_to_end_smoke(tmp_path, capsys):
     rti.main(["eval", str(tmp_path / "run" / "model"), "--eval-tasks", "2", "--no-progress"])
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| method | p@1 |") and table[2].startswith(f"| {tmp_path / 'run' / 'model'} |")
+
+
+def test_mini_batches_make_the_ratio_and_the_clip_act(tiny, tmp_path, monkeypatch):
+    """--mini-batches 2: pi_old is scored once for the batch, the first step moves the policy, so the second
+    mini-batch sees ratios != 1 (they are all exactly 1 in the first), some of them clipped, and a clipped token
+    gets no gradient while the others do."""
+    model, tok = tiny
+    policy = rti.Sampler(copy.deepcopy(model), tok, seed=4)
+    trajs = rti.rollout(policy, easy_tasks(2), 4)
+    adv = torch.tensor([1.0, -1.0] * 4)
+    calls = []
+
+    def recording_loss(logp, old_logp, advantages, loss_mask, **kw):
+        calls.append((logp.detach().clone(), old_logp.clone(), advantages.clone(), loss_mask.clone(), kw))
+        return policy_loss(logp, old_logp, advantages, loss_mask, **kw)
+    monkeypatch.setattr(rti, "policy_loss", recording_loss)
+    cfg = small_cfg(tmp_path, mini_batches=2, micro_batch=8)
+    rti.update(policy, torch.optim.AdamW(policy.model.parameters(), lr=0.05), trajs, adv, cfg, seed=3)
+    assert len(calls) == 2
+    ratios = [torch.exp(lp - old)[m > 0] for lp, old, _, m, _ in calls]
+    assert torch.allclose(ratios[0], torch.ones_like(ratios[0]), atol=1e-5)   # before any step: pi = pi_old
+    assert (ratios[1] - 1).abs().max() > 0.3                                  # after one step: it acts
+    lp, old, a, m, kw = calls[1]
+    lp = lp.requires_grad_()
+    loss, metrics = policy_loss(lp, old, a, m, **kw)
+    loss.backward()
+    rho, a_tok = torch.exp(lp.detach() - old), a[:, None].expand_as(lp)
+    clipped = (m > 0) & (((a_tok > 0) & (rho > 1.28)) | ((a_tok < 0) & (rho < 0.8)))
+    assert clipped.any() and metrics["clip_frac"] > 0
+    assert (lp.grad[clipped] == 0).all() and (lp.grad[(m > 0) & ~clipped] != 0).all()

@@ -53,7 +53,7 @@ def test_tool_template_renders_what_our_rollout_feeds_the_model():
                                       tokenize=True, return_dict=False)
     assert prompt == chat.prompt_ids(first)
     obs, _ = env.step("move up")
-    call = [{"type": "function", "function": envs.Navigation.call_from_action("move up")}]
+    call = [{"type": "function", "function": trl_rti.NavigationTools.call_from_action("move up")}]
     msgs = [{"role": "user", "content": first}, {"role": "assistant", "content": "", "tool_calls": call}]
     before = ttok.apply_chat_template(msgs, tokenize=True, return_dict=False)
     full = ttok.apply_chat_template(msgs + [{"role": "tool", "name": "move", "content": obs}],
