@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import time
 
 import torch
@@ -13,17 +14,17 @@ import torch
 import envs
 import intervene
 import rti
-from loss import group_advantages
+from loss import advantages_by_group
 
 
 def bench(model_dir: str, tasks: int = 8, group: int = 8, repeats: int = 3, threads: int = 1, seed: int = 0) -> None:
     """Side-by-side timings on one machine, alternating so that drift hits both sides:
     rollout throughput batched (B x G episodes in lockstep) vs one episode at a time on the same tasks, and one
-    training step of GRPO vs RTI from the same sampled batch and the same weights."""
+    training step of GRPO vs RTI (both group modes) from the same sampled batch and the same weights."""
     torch.set_num_threads(threads)
     model, tok = rti.load_model(model_dir)
     batch_tasks = envs.make_tasks("train")[:tasks]
-    cfg = rti.Config(batch_tasks=tasks, group_size=group, micro_batch=tasks * group)
+    cfg = rti.make_config(batch_tasks=tasks, group_size=group, micro_batch=tasks * group)
     rates = {"batched": [], "one at a time": []}
     for r in range(repeats):
         for mode in rates:
@@ -42,7 +43,7 @@ def bench(model_dir: str, tasks: int = 8, group: int = 8, repeats: int = 3, thre
     ratio = sorted(b[0] / s[0] for b, s in zip(rates["batched"], rates["one at a time"]))[len(rates["batched"]) // 2]
     print(f"  batched / one at a time: {ratio:.1f}x episodes per second")
 
-    times = {"grpo": [], "rti": []}
+    times = {"grpo": [], "replace": [], "paired": []}
     for r in range(repeats):
         policy = rti.Sampler(model, tok, seed=seed + r)
         trajs = rti.rollout(policy, batch_tasks, group)
@@ -51,16 +52,20 @@ def bench(model_dir: str, tasks: int = 8, group: int = 8, repeats: int = 3, thre
             opt = torch.optim.AdamW(p.model.parameters(), lr=cfg.lr)
             t0 = time.perf_counter()
             batch = [copy.copy(t) for t in trajs]
-            if method == "rti":
-                batch, _ = intervene.intervene_batch(p, batch, cfg.rti, p.make_env)
-            adv = group_advantages(torch.tensor([t.reward for t in batch]), group)
+            if method != "grpo":
+                mode = dataclasses.replace(cfg.rti, group_mode=method)
+                batch, _ = intervene.intervene_batch(p, batch, mode, p.make_env)
+            adv = advantages_by_group(torch.tensor([t.reward for t in batch]), [t.group for t in batch])
             keep = [i for i in range(len(batch)) if adv[i] != 0]
             if keep:
                 rti.update(p, opt, [batch[i] for i in keep], adv[keep], cfg)
             times[method].append(time.perf_counter() - t0)
     med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
-    print(f"after-sampling step time on the same batch: GRPO {med['grpo']:.2f} s, RTI {med['rti']:.2f} s "
-          f"(RTI / GRPO {med['rti'] / med['grpo']:.2f}x; sampling itself, common to both, excluded)")
+    roll = sorted(x[2] for x in rates["batched"])[len(rates["batched"]) // 2]
+    for name, t in (("after-sampling step time on the same batch", med), ("whole step with the batched rollout",
+                                                                         {m: v + roll for m, v in med.items()})):
+        print(f"{name}: GRPO {t['grpo']:.2f} s, RTI replace {t['replace']:.2f} s ({t['replace'] / t['grpo']:.2f}x), "
+              f"RTI paired {t['paired']:.2f} s ({t['paired'] / t['grpo']:.2f}x)")
 
 
 def main(argv=None) -> None:

@@ -46,6 +46,7 @@ import torch
 # ----------------------------------------------------------------------------- core names
 # The only place this file names the core modules' API.
 import envs
+import evaluate
 import intervene
 import rti
 from extras.chat_tools import NavigationTools
@@ -66,7 +67,9 @@ def train_config(**flags):
 
 
 def run_intervention(sampler, trajs, cfg):
-    return intervene.intervene_batch(sampler, trajs, cfg, sampler.make_env)
+    """(the batch after RTI, its statistics with the rates of the paper's Table 6)."""
+    trajs, counts = intervene.intervene_batch(sampler, trajs, cfg, sampler.make_env)
+    return trajs, evaluate.intervention_rates(counts)
 
 
 # ----------------------------------------------------------------------------- TRL imports (optional package)
@@ -209,6 +212,9 @@ class RTIGRPOTrainer(GRPOTrainer):
                              f"use one of {sorted(AGG)}")
         if self.scale_rewards == "batch" or self.use_vllm or self.tools:
             raise ValueError("RTIGRPOTrainer: scale_rewards='batch', vLLM and TRL tools are not supported")
+        if rti_config is not None and rti_config.group_mode != "replace":
+            raise ValueError("RTIGRPOTrainer: TRL's batch holds G completions a prompt, so corrections must replace "
+                             "their originals: RTIConfig(group_mode='replace')")
         base = loss_config or LossConfig()
         self.rti_loss_config = LossConfig(
             clip_low=self.epsilon_low, clip_high=self.epsilon_high, is_mode=base.is_mode, reweight=base.reweight,
@@ -362,7 +368,7 @@ def main(argv=None) -> None:
         print({k: round(row[k], 4) if isinstance(row[k], float) else row[k] for k in keys if k in row})
     if a.command == "train" and trainer.rti_stats:
         print("interventions over the run:")
-        print(intervene.report(intervene.run_totals(trainer.rti_stats)))
+        print(evaluate.intervention_report(evaluate.run_totals(trainer.rti_stats)))
     print(f"wall time {time.time() - t0:.1f} s for {a.steps} steps of {a.tasks} tasks x {a.group_size}")
 
 
