@@ -40,7 +40,7 @@ def test_report_writes_the_table_and_the_gap(tmp_path):
             bonus = 15.0 if name == "RTI" else 0.0
             results[(name, s)] = {"after": summary(p1 + bonus), "after_tasks": [[p1 > 10] * 4, [False] * 4]}
     warm = (summary(5.0), [[False] * 16, [True] * 16])
-    compare.write_report(results, warm, [0, 1], tmp_path, 60.0, "python compare.py compare --seeds 0 1")
+    compare.write_report(results, warm, [0, 1], tmp_path, 60.0, "python -m extras.compare --seeds 0 1")
     md = (tmp_path / "compare.md").read_text()
     assert "| RTI | 30.00 |" in md and "| GRPO | 15.00 |" in md and "warm start (16 samples) | 5.00" in md
     assert "RTI minus GRPO p@1 per seed: +15.00, +15.00 (mean +15.00)" in md
@@ -51,13 +51,9 @@ def test_report_writes_the_table_and_the_gap(tmp_path):
 
 @pytest.mark.slow
 def test_quick_comparison_end_to_end(tmp_path):
-    """`python compare.py compare --quick` trains all five methods and writes the table (about 1.5 minutes)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-    root = Path(compare.__file__).parent
-    subprocess.run([sys.executable, "compare.py", "compare", "--quick", "--seeds", "0", "--out", str(tmp_path)],
-                   cwd=root, check=True)
+    """`python -m extras.compare --quick` trains all five methods and writes the table (about 1.5 minutes)."""
+    subprocess.run([sys.executable, "-m", "extras.compare", "--quick", "--seeds", "0", "--out", str(tmp_path)],
+                   cwd=ROOT, check=True)
     md = (tmp_path / "compare.md").read_text()
     for name in compare.METHODS:
         assert f"| {name} |" in md
