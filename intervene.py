@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from envs import Env, StepCheck
-from loss import INTERVENED, POLICY
+from loss import INTERVENED, POLICY, group_rows
 
 HINT_OPEN, HINT_CLOSE = "<hint>", "</hint>"
 VALIDATOR_PROMPT = ("you check one step of an agent against a rubric . {rubric} . history {history} . "
@@ -254,7 +254,7 @@ def intervene_batch(policy: Policy, trajs: list[Episode], cfg: RTIConfig,
     (default half) are corrected from their first flagged step only, and a kept correction replaces its original."""
     validator, corrector = VALIDATORS[cfg.validator](policy), CORRECTORS[cfg.corrector](policy)
     verifier, paired, stats = VERIFIERS[cfg.verifier](policy), cfg.group_mode == "paired", Counter()
-    groups = {g: [i for i, t in enumerate(trajs) if t.group == g] for g in dict.fromkeys(t.group for t in trajs)}
+    groups = group_rows([t.group for t in trajs])
     triggered = [g for g, idx in groups.items() if max(trajs[i].reward for i in idx) <= 0]
     chosen = [i for g in triggered for i in (groups[g] if paired else
                                              groups[g][:cfg.intervene_per_group or max(1, len(groups[g]) // 2)])]

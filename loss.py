@@ -84,13 +84,20 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, scale:
     return torch.where(zero_spread, torch.zeros_like(adv), adv).view(-1)
 
 
+def group_rows(group_ids: list) -> dict:
+    """Group id -> the rows of that group, groups in order of first appearance: [0, 1, 0] -> {0: [0, 2], 1: [1]}."""
+    rows: dict = {}
+    for i, g in enumerate(group_ids):
+        rows.setdefault(g, []).append(i)
+    return rows
+
+
 def advantages_by_group(rewards: Tensor, group_ids: list, scale: bool = True) -> Tensor:
     """group_advantages for groups of any size: rows with the same id form a group, wherever they are (paired RTI
     enlarges a triggered group with its corrections). Example: ids [0, 0, 0, 0, 1, 1], rewards [0, 0, 1, 1, 1, 1]
     -> group 0 as group_advantages(rewards[:4], 4), group 1 zero spread: A [-.866, -.866, .866, .866, 0, 0]."""
     adv = torch.zeros_like(rewards, dtype=rewards.dtype if rewards.is_floating_point() else torch.float32)
-    for g in dict.fromkeys(group_ids):
-        rows = [i for i, x in enumerate(group_ids) if x == g]
+    for rows in group_rows(group_ids).values():
         adv[rows] = group_advantages(rewards[rows], len(rows), scale=scale)
     return adv
 

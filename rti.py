@@ -34,7 +34,7 @@ import envs
 import evaluate
 import intervene
 from intervene import RTIConfig
-from loss import POLICY, LossConfig, advantages_by_group, policy_loss
+from loss import POLICY, LossConfig, advantages_by_group, group_rows, policy_loss
 
 WARMSTART_DIR = "checkpoints/warmstart"
 
@@ -631,8 +631,8 @@ def train_step(sampler: Sampler, opt, tasks: list, cfg: Config, seed: int | None
     rewards, group_ids = torch.tensor([t.reward for t in trajs]), [t.group for t in trajs]
     adv = advantages_by_group(rewards, group_ids, scale=cfg.loss.scale_advantages)
     metrics["train_success_after_rti"] = float(rewards.mean())
-    metrics["groups_with_spread"] = float(np.mean([len({t.reward for t in trajs if t.group == g}) > 1
-                                                   for g in dict.fromkeys(group_ids)]))
+    metrics["groups_with_spread"] = float(np.mean([len({trajs[i].reward for i in rows}) > 1
+                                                   for rows in group_rows(group_ids).values()]))
     keep = [i for i in range(len(trajs)) if adv[i] != 0]   # zero-advantage rows add nothing but cost
     if backend.all_reduce(len(keep)):                      # with several processes every one joins the update
         metrics.update(update(sampler, opt, [trajs[i] for i in keep], adv[keep], cfg, backend, seed or 0))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from loss import (INTERVENED, POLICY, LossConfig, aggregate, group_advantages,  # noqa: E402
-                  importance_ratios, policy_loss, token_weights)
+from loss import (INTERVENED, POLICY, LossConfig, advantages_by_group, aggregate, group_advantages,  # noqa: E402
+                  group_rows, importance_ratios, policy_loss, token_weights)
 
 P, I = POLICY, INTERVENED
 LN = math.log
@@ -33,6 +33,15 @@ def test_group_advantages_hand_values():
     assert group_advantages(r, 4).tolist() == pytest.approx(expect, rel=1e-5)  # eps 1e-6
     unscaled = [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]
     assert group_advantages(r, 4, scale=False).tolist() == pytest.approx(unscaled, abs=1e-15)
+
+
+def test_advantages_by_group_equal_group_advantages_wherever_the_rows_are():
+    r = t([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    fixed = group_advantages(r, 4)
+    assert torch.equal(advantages_by_group(r, [0] * 4 + [1] * 4), fixed)
+    order = [0, 4, 1, 5, 2, 6, 3, 7]                     # the same two groups, rows interleaved
+    assert torch.equal(advantages_by_group(r[order], [i // 4 for i in order]), fixed[order])
+    assert group_rows(["b", "a", "b"]) == {"b": [0, 2], "a": [1]}
 
 
 def test_group_advantages_zero_spread_is_exactly_zero():
