@@ -164,9 +164,9 @@ class SelfCorrector(Role):
 class RuleCorrector(Role):
     """The environment's optimal action; deterministic, so log mu = 0."""
     def rewrite(self, cases: list[StepUnderReview]) -> list[Rewrite]:
-        chat = self.policy.chat
-        ids = [chat.action_ids(c.env.optimal_action()) + [chat.eos_id] for c in cases]
-        return [Rewrite(i, [0.0] * len(i), c.env.optimal_action()) for c, i in zip(cases, ids)]
+        chat, actions = self.policy.chat, [c.env.optimal_action() for c in cases]
+        ids = [chat.action_ids(a) + [chat.eos_id] for a in actions]
+        return [Rewrite(i, [0.0] * len(i), a) for a, i in zip(actions, ids)]
 
 
 class RubricVerifier(Role):
@@ -300,7 +300,7 @@ def first_corrections(trajs: list[Episode], make_env, validator, corrector, veri
     items = [(j, make_env(t.task), 0) for j, t in enumerate(trajs)]   # (trajectory, its env, next step)
     for _, env, _ in items:
         env.reset()
-    out = []
+    out, tries = [], cfg.correction_tries if cfg.max_corrections > 0 else 0
     while items:
         flagged = []
         while items:
@@ -311,7 +311,6 @@ def first_corrections(trajs: list[Episode], make_env, validator, corrector, veri
             items = [(j, env, k + 1) for (j, env, k), case, bad in zip(items, cases, flags) if not bad]
             for j, env, k in items:
                 env.step(trajs[j].actions[k - 1])
-        tries = cfg.correction_tries if cfg.max_corrections > 0 else 0
         for (j, case, k), rw in zip(flagged, correct([c for _, c, _ in flagged], corrector, verifier, tries, stats)):
             if rw is not None:
                 out.append((j, case, rw))
@@ -370,8 +369,8 @@ def intervened_ppl(policy: Policy, trajs: list[Episode], scope: str = "intervene
     wrote), or every token after the first message ("trajectory")."""
     out = []
     for t, lp in zip(trajs, policy.score([t.ids for t in trajs]) if trajs else []):
-        picks = {"intervened": [s == INTERVENED and m for s, m in zip(t.source, t.loss_mask)], "agent": t.loss_mask,
-                 "trajectory": [i >= t.turns[0][0] for i in range(len(t.ids))]}[scope]
+        picks = (t.loss_mask if scope == "agent" else [i >= t.turns[0][0] for i in range(len(t.ids))]
+                 if scope == "trajectory" else [s == INTERVENED and m for s, m in zip(t.source, t.loss_mask)])
         vals = [v for v, pick in zip(lp, picks) if pick]
         nll = -sum(vals) / len(vals) if vals else 0.0
         out.append(math.exp(nll) if nll < 700 else math.inf)   # exp overflows a float past ~709

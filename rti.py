@@ -641,11 +641,11 @@ def train_step(sampler: Sampler, opt, tasks: list, cfg: Config, seed: int | None
     return backend.reduce_metrics(metrics)
 
 
-def init_sampler(cfg: Config, backend: Backend, log=print) -> Sampler:
-    """The model to train: the tiny model from --init (the warm start, built first if missing), or --model PATH."""
-    if cfg.model == "tiny" and cfg.init and not (Path(cfg.init) / "config.json").exists():
-        raise FileNotFoundError(f"--init {cfg.init!r} holds no checkpoint (the warm start: python -m extras.warmstart)")
+def init_sampler(cfg: Config, backend: Backend) -> Sampler:
+    """The model to train: the tiny model from --init (the committed warm start by default), or --model PATH."""
     tiny_init = cfg.model == "tiny" and cfg.init
+    if tiny_init and not (Path(cfg.init) / "config.json").exists():
+        raise FileNotFoundError(f"--init {cfg.init!r} holds no checkpoint (the warm start: python -m extras.warmstart)")
     model, tok = load_model(cfg.init if tiny_init else cfg.model, cfg.seed, backend.dtype, cfg.env)
     model, chat = backend.prepare(model, tok, cfg.env)
     sampler = Sampler(model, tok, cfg.temperature, cfg.top_p, cfg.max_turn_tokens, cfg.seed + backend.rank,
@@ -665,7 +665,7 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
     main_process, out = backend.rank == 0, Path(cfg.out)
     log = log if main_process else (lambda *a, **k: None)
     out.mkdir(parents=True, exist_ok=True)
-    sampler = init_sampler(cfg, backend, log)
+    sampler = init_sampler(cfg, backend)
     opt = torch.optim.AdamW([p for p in sampler.model.parameters() if p.requires_grad], lr=cfg.lr,
                             weight_decay=cfg.weight_decay)
     train_tasks = envs.env_tasks(cfg.env, cfg.train_split)
