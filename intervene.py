@@ -9,8 +9,8 @@ When every trajectory of a group fails, its rewards have no spread and GRPO lear
               up to `correction_tries` times; the verifier accepts or rejects each rewrite;
   3. continue the policy samples the rest of the episode from the corrected state; new steps are validated and
               corrected the same way, up to `max_corrections` per trajectory;
-  4. gate     a corrected success is kept iff the perplexity of its rewritten tokens under the policy WITHOUT the
-              hint is at most `ppl_max`; kept ones replace the failed trajectory they came from.
+  4. gate     a corrected success is kept iff the perplexity of what the agent wrote (`gate_scope`) under the policy
+              WITHOUT the hint is at most `ppl_max`; kept ones join or replace their group (`group_mode`).
 
 This file never imports the trainer: it needs only what the `Policy` and `Episode` protocols below state (rti.py's
 Sampler and Trajectory are one pair; tests/test_layout.py drives it with a pair of its own), so it can be copied into
@@ -53,7 +53,7 @@ class RTIConfig:
     intervene_per_group: int = 0    # replace: failed trajectories corrected per triggered group; 0 = half of it
     ppl_gate: bool = True           # False = "w/o PPL gate"
     ppl_max: float = 4.0
-    gate_scope: str = "intervened"  # tokens the gate's perplexity is over: "intervened" | "agent" | "trajectory"
+    gate_scope: str = "agent"       # tokens the gate's perplexity is over: "agent" | "intervened" | "trajectory"
     correction_tries: int = 3
     max_corrections: int = 8        # per trajectory
 
@@ -362,7 +362,7 @@ def continue_episodes(policy: Policy, fixed, validator, corrector, verifier, cfg
 GATE_SCOPES = ("intervened", "agent", "trajectory")
 
 
-def intervened_ppl(policy: Policy, trajs: list[Episode], scope: str = "intervened") -> list[float]:
+def intervened_ppl(policy: Policy, trajs: list[Episode], scope: str = "agent") -> list[float]:
     """PPL = exp(-mean_{t in S} log pi_old(y_t | h_t)), scored by the policy without the hint in its context (our
     reading of the paper's gate), over the tokens S of `scope`: the intervened tokens I (a corrector rewrites whole
     turns, so I is the corrected turns), every agent token ("agent": the sequence perplexity of what the agent

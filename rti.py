@@ -53,19 +53,19 @@ class Config:
     user_model: str = ""                # envs with a user: "" = the policy model, "scripted", or a model directory
     train_split: str = "train"
     test_split: str = "test"
-    batch_tasks: int = 16               # B tasks a step
+    batch_tasks: int = 8                # B tasks a step
     group_size: int = 8                 # G trajectories a task
     temperature: float = 1.0
     top_p: float = 1.0
     max_turn_tokens: int = 4            # new tokens per agent turn
     method: str = "rti"                 # "grpo" | "rti"
-    steps: int = 12
+    steps: int = 8
     lr: float = 1e-4
     weight_decay: float = 0.0
     updates_per_batch: int = 1          # epochs over each rollout batch
     mini_batches: int = 1               # optimizer steps per epoch, on shuffled parts of the batch
     warmup_steps: int = 0               # linear learning-rate warm-up over the first N steps
-    micro_batch: int = 64               # trajectories per forward/backward (gradients accumulate over a batch)
+    micro_batch: int = 8                # rows per forward/backward (gradients accumulate); memory ~ rows x T^2
     grad_clip: float = 1.0
     eval_every: int = 10
     eval_samples: int = 4
@@ -373,7 +373,7 @@ class Sampler:
     """The policy as the loop and intervene.py (its `Policy` protocol) use it: the network `model`, its chat pieces,
     batched sampling through KV-cached sessions and log-prob scoring."""
 
-    def __init__(self, model, tok, temperature=1.0, top_p=1.0, max_turn_tokens=4, seed=0, micro_batch=64,
+    def __init__(self, model, tok, temperature=1.0, top_p=1.0, max_turn_tokens=4, seed=0, micro_batch=8,
                  env="navigation", user=None, chat: Chat | None = None):
         self.model, self.tok, self.chat = model, tok, chat or Chat(tok, env)
         self.user = user      # plays the user in envs that have one (Env.make_user)
@@ -583,7 +583,7 @@ def update(sampler: Sampler, opt, trajs: list[Trajectory], advantages: torch.Ten
         if cfg.mini_batches > 1:
             rng.shuffle(order)
         for part in np.array_split(order, cfg.mini_batches):
-            part = part.tolist()
+            part = sorted(part.tolist(), key=lambda r: len(trajs[r].ids))   # alike lengths: less padding
             n_tok = backend.all_reduce(sum(sum(trajs[r].loss_mask) for r in part))
             n_rows = backend.all_reduce(len(part))
             n_micro = int(backend.all_reduce(-(-len(part) // cfg.micro_batch), "max"))

@@ -19,7 +19,7 @@ from rti import Chat
 
 
 class NavigationTools:
-    """Navigation's actions as two tools, move(direction: up|down|left|right) and finish()."""
+    """Navigation's actions as three tools: move(direction: up|down|left|right), route() and finish()."""
     messages_allowed = False      # every turn must be a call (tau2 airline / retail agents may also talk)
 
     @staticmethod
@@ -35,21 +35,22 @@ class NavigationTools:
         directions = [a.split()[1] for a in MOVES]
         return [tool("move", "Move one cell on the grid.",
                      {"direction": {"type": "string", "enum": directions, "description": "up decreases the row"}}),
+                tool("route", "Show a shortest path to the next target; it stays in view while you follow it.", {}),
                 tool("finish", "End the episode; call it on the last waypoint.", {})]
 
     @staticmethod
     def action_from_call(name, arguments) -> str | None:
         """The action a tool call performs, or None when it names no action.
 
-        >>> [NavigationTools.action_from_call(*call) for call in (("move", {"direction": "up"}), ("finish", {}))]
-        ['move up', 'finish']
+        >>> [NavigationTools.action_from_call(*c) for c in (("move", {"direction": "up"}), ("route", {}), ("finish", {}))]
+        ['move up', 'route', 'finish']
         >>> NavigationTools.action_from_call("move", {"direction": "north"}) is None
         True
         """
         if not isinstance(arguments, dict):
             return None
-        if name == "finish" and not arguments:
-            return "finish"
+        if name in ("route", "finish") and not arguments:
+            return name
         action = f"move {arguments.get('direction')}"
         return action if name == "move" and set(arguments) == {"direction"} and action in MOVES else None
 

@@ -41,7 +41,7 @@ METHODS = {   # the paper's Table 3 rows, all from the same warm start, budget a
     "RTI w/o PPL gate": ["--method", "rti", "--no-ppl-gate"],
     "RTI w/o reweight": ["--method", "rti", "--no-reweight"],
 }
-FULL = ["--eval-tasks", "150", "--eval-every", "4"]    # the default budget (12 steps), test curve every 4 steps
+FULL = ["--eval-tasks", "150", "--eval-every", "4"]    # the default budget (8 steps), test curve every 4 steps
 QUICK = ["--steps", "4", "--eval-tasks", "30", "--eval-every", "0", "--batch-tasks", "4"]
 BOUNDARY_SAMPLES, BOUNDARY_TASKS, BOUNDARY_TASKS_QUICK = 16, 150, 30   # the warm start's boundary: 16 samples a task
 

@@ -93,20 +93,21 @@ def navigation_dataset(tasks):
 
 
 def task_of(row) -> envs.NavTask:
-    return envs.NavTask.from_dict(json.loads(row["task"]))
+    return envs.NavTask(**json.loads(row["task"]))
 
 
 # ----------------------------------------------------------------------------- Navigation as a TRL environment
 
 class NavigationToolEnv:
     """Navigation for TRL's `environment_factory`: `reset(**row)` starts the row's task and returns its first
-    observation; the public methods `move` and `finish` become the tools; `get_reward` is our rubric's verdict."""
+    observation; the public methods `move`, `route` and `finish` become the tools; `get_reward` is our rubric's
+    verdict."""
 
     def __init__(self):
         self.env = None
 
     def reset(self, task: str, **row) -> str:
-        self.env = envs.Navigation(envs.NavTask.from_dict(json.loads(task)))
+        self.env = envs.Navigation(envs.NavTask(**json.loads(task)))
         return self.env.reset()
 
     def move(self, direction: str) -> str:
@@ -119,6 +120,14 @@ class NavigationToolEnv:
             The observation: position, next target and blocked neighbours, or an error.
         """
         return self.env.step(f"move {direction}")[0]
+
+    def route(self) -> str:
+        """Show a shortest path to the next target; it stays in view while you follow it.
+
+        Returns:
+            The observation, opening with the route's directions.
+        """
+        return self.env.step("route")[0]
 
     def finish(self) -> str:
         """End the episode; call it on the last waypoint.

@@ -1,11 +1,15 @@
 """The supervised warm start of the tiny Navigation policy; optional (extras/): its result is committed.
 
     python -m extras.warmstart           # rebuild checkpoints/warmstart (the demo's starting point)
+    python -m extras.warmstart report --train-split fit --test-split val   # its p@1, all-fail groups, tool use
 
-The tiny model learns from optimal trajectories of the `easy` split: next-token loss on the agent's actions plus an
-auxiliary loss on observation tokens (with actions alone a from-scratch model stalls), and in `ws_hint_frac` of turns
-the same `<hint> ... </hint>` block a self-corrector sees, right before the action, so that the policy learns from
-the start to follow a hint. RL itself (rti.py) trains agent tokens only.
+The tiny model learns from a teacher's successful episodes on the `easy` split: next-token loss on the agent's
+actions plus an auxiliary loss on observation tokens (with actions alone a from-scratch model stalls). The teacher
+sees the map and walks shortest paths; it starts only `ws_route_frac` of legs with the route tool (then follows the
+route), so the policy rarely calls the tool by itself: that is the capability boundary RL has to cross. In
+`ws_hint_frac` of turns the teacher is shown the `<hint> ... </hint>` block a self-corrector sees and does what it
+says (`route` when it holds none), so the policy learns from the start to follow a hint and a route. RL itself
+(rti.py) trains agent tokens only.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -32,10 +36,11 @@ import rti
 class WarmStartConfig(rti.Config):
     """rti.Config (model, seed, threads, grad_clip, progress) plus the warm start's flags."""
     ws_split: str = "easy"
-    ws_steps: int = 1500
+    ws_steps: int = 700
     ws_batch: int = 32
     ws_lr: float = 3e-3
     ws_hint_frac: float = 0.3           # share of teacher turns with the corrector's hint block before the action
+    ws_route_frac: float = 0.05         # share of legs the teacher starts with the route tool (1: the oracle's episodes)
     ws_obs_weight: float = 1.0          # auxiliary next-token loss on observation tokens
     ws_out: str = rti.WARMSTART_DIR
 
@@ -47,21 +52,25 @@ class WarmStartConfig(rti.Config):
         need(self.ws_steps >= 1 and self.ws_batch >= 1, "ws_steps", "ws_steps and ws_batch must be >= 1")
         need(self.ws_lr > 0, "ws_lr", "must be > 0")
         need(0 <= self.ws_hint_frac <= 1, "ws_hint_frac", "must be in [0, 1]")
+        need(0 <= self.ws_route_frac <= 1, "ws_route_frac", "must be in [0, 1]")
         super().validate()
 
 
-def teacher_sequence(chat: rti.Chat, task, rng: random.Random, hint_frac: float, obs_weight: float):
-    """Token ids and per-token loss weights of the optimal episode for `task`.
+def teacher_sequence(chat: rti.Chat, task, rng: random.Random, hint_frac: float, obs_weight: float,
+                     route_frac: float):
+    """Token ids and per-token loss weights of a teacher's successful episode for `task`.
 
-    Agent tokens weigh 1, observation tokens `obs_weight` (an auxiliary loss: with actions alone a from-scratch model
-    stalls), hint tokens 0. A share `hint_frac` of turns carries the hint block a self-corrector will see
-    (intervene.format_hint) at the end of the user message before the action, so the policy learns to use it.
+    The teacher sees the map: it walks shortest paths, starting a share `route_frac` of legs with the `route` tool
+    and following a route it holds. A share `hint_frac` of turns carries the hint block a self-corrector will see
+    (intervene.format_hint) at the end of the user message, and the teacher does what it says (calls `route` when it
+    holds none), so the policy learns both to follow a hint and, rarely, to call the tool. Agent tokens weigh 1,
+    observation tokens `obs_weight` (an auxiliary loss: with actions alone a from-scratch model stalls), hint tokens 0.
     """
-    env = envs.Navigation(task)
-    content, ids, weights = env.reset(), [], []
+    env = envs.Navigation(replace(task, max_turns=envs.MAX_NUMBER))
+    content, ids, weights, leg = env.reset(), [], [], -1
     n_post = len(chat.ids(chat.turn_post))
-    for t, action in enumerate(envs.optimal_actions(task)):
-        piece = chat.prompt_ids if t == 0 else chat.turn_ids
+    while not env.done:
+        piece = chat.prompt_ids if env.turns == 0 else chat.turn_ids
         plain = piece(content)
         w = [obs_weight] * len(plain)
         if rng.random() < hint_frac:
@@ -70,13 +79,16 @@ def teacher_sequence(chat: rti.Chat, task, rng: random.Random, hint_frac: float,
             n_hint = len(hinted) - len(plain)
             w = [obs_weight] * len(hinted)
             w[len(hinted) - n_post - n_hint:len(hinted) - n_post] = [0.0] * n_hint
-            plain = hinted
+            plain, action = hinted, env.optimal_action()
+        elif env.route or env.optimal_action() == "finish":
+            action = env.optimal_action()
+        else:
+            action = "route" if leg < env.visited and rng.random() < route_frac else env.shortest_moves()[0]
+        leg = env.visited
         agent = chat.action_ids(action) + [chat.eos_id]
         ids += plain + agent
         weights += w + [1.0] * len(agent)
-        content, done = env.step(action)
-        if done:
-            break
+        content = env.step(action)[0]
     weights[0] = 0.0
     return ids, weights
 
@@ -94,7 +106,8 @@ def warmstart(cfg: WarmStartConfig, log=print):
     bar = tqdm(range(cfg.ws_steps), desc="warm start", disable=not cfg.progress, file=sys.stderr)
     for step in bar:
         if not batches:   # draw 8 batches at once and group similar lengths: less padding, same data
-            pool = sorted((teacher_sequence(chat, rng.choice(tasks), rng, cfg.ws_hint_frac, cfg.ws_obs_weight)
+            pool = sorted((teacher_sequence(chat, rng.choice(tasks), rng, cfg.ws_hint_frac, cfg.ws_obs_weight,
+                                            cfg.ws_route_frac)
                            for _ in range(8 * cfg.ws_batch)), key=lambda b: len(b[0]))
             batches = [pool[i:i + cfg.ws_batch] for i in range(0, len(pool), cfg.ws_batch)]
             rng.shuffle(batches)
@@ -123,10 +136,51 @@ def warmstart(cfg: WarmStartConfig, log=print):
     return model, tok, losses
 
 
+def tool_use(trajs) -> dict:
+    """What the policy does with the route tool, replayed from its episodes: `route_calls_per_leg` (calls over the legs
+    it worked on), `legs_routed` (share of those legs with a call), `valid_with_route` (share of actions taken while
+    holding a route that pass the step check) and `valid_without_route` (the same without one)."""
+    calls = legs = routed = 0
+    valid = {True: [0, 0], False: [0, 0]}     # holding a route -> [valid, all]
+    for t in trajs:
+        env, seen = envs.Navigation(t.task), set()
+        for action in t.actions:
+            v = valid[bool(env.route)]
+            v[0], v[1] = v[0] + env.check_step(action).valid, v[1] + 1
+            if action == "route":
+                calls, seen = calls + 1, seen | {env.visited}
+            env.step(action)
+        legs += min(env.visited + 1, len(t.task.waypoints))
+        routed += len(seen)
+    share = lambda v: v[0] / max(1, v[1])
+    return {"route_calls_per_leg": calls / max(1, legs), "legs_routed": routed / max(1, legs),
+            "valid_with_route": share(valid[True]), "valid_without_route": share(valid[False])}
+
+
+def report(cfg: WarmStartConfig, model_dir: str, log=print) -> dict:
+    """`python -m extras.warmstart report [MODEL_DIR]`: the checkpoint where RL starts, against the issue's marks:
+    p@1 on --test-split (--eval-tasks x --eval-samples), the share of --group-size-sample groups on --train-split
+    with no success (--batch-tasks tasks), and how it uses the route tool on both."""
+    model, tok = rti.load_model(model_dir, cfg.seed)
+    sampler = rti.Sampler(model, tok, cfg.temperature, cfg.top_p, cfg.max_turn_tokens, cfg.seed)
+    with torch.no_grad():
+        test = rti.rollout(sampler, envs.Navigation.tasks(cfg.test_split)[:cfg.eval_tasks], cfg.eval_samples, 1234)
+        train = rti.rollout(sampler, envs.Navigation.tasks(cfg.train_split)[:cfg.batch_tasks], cfg.group_size, 99)
+    groups = [[t.reward for t in train if t.group == g] for g in range(cfg.batch_tasks)]
+    out = {"test_p@1": 100 * float(np.mean([t.reward for t in test])), "train_all_fail": float(np.mean(
+        [max(g) == 0 for g in groups])), "train_p@1": 100 * float(np.mean([t.reward for t in train])),
+        **{f"test_{k}": v for k, v in tool_use(test).items()}, **{f"train_{k}": v for k, v in tool_use(train).items()}}
+    log(f"{model_dir}: " + ", ".join(f"{k} {v:.3f}" for k, v in out.items()))
+    return out
+
+
 def main(argv=None) -> None:
-    _, _, cfg = rti.parse_args(argv, WarmStartConfig, ("warmstart",), prog="-m extras.warmstart")
+    command, path, cfg = rti.parse_args(argv, WarmStartConfig, ("warmstart", "report"), prog="-m extras.warmstart")
     torch.set_num_threads(cfg.threads)
-    warmstart(cfg)
+    if command == "report":
+        report(cfg, path or cfg.ws_out)
+    else:
+        warmstart(cfg)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 # the first 12 tasks of a fixed easy-like split (not envs.SPLITS, which may be retuned)
 SPEC = envs.SplitSpec(7, 7, 0.10, 1, 2, n=12, seed=1)
 EASY = [envs.generate_task(SPEC, random.Random(SPEC.seed * 1_000_003 + i), f"easy-{i:04d}") for i in range(SPEC.n)]
-T_SHORT, T_MID, T_LONG = EASY[6], EASY[1], EASY[5]   # 4, 6 and 9 optimal actions; a wall or edge next to most steps
+T_SHORT, T_MID, T_LONG = EASY[6], EASY[1], EASY[5]   # 5, 8 and 11 oracle actions; a wall or edge next to most steps
 FIRST_MESSAGE = {envs.Navigation(t).reset(): t for t in EASY}
 RUBRIC = {envs.Navigation(t).rubric_text(): t for t in EASY}
 ROLE_PROMPT = re.compile(r"\. (rubric visit .*? turns) \. history (.*?)\s?\. (?:proposed|rewritten) step (.*?) \. answer ")
@@ -42,7 +42,7 @@ def tiny():
 
 
 def test_scripted_tasks_fit_the_scenarios():
-    assert [len(envs.optimal_actions(t)) for t in (T_SHORT, T_MID, T_LONG)] == [4, 6, 9]
+    assert [len(envs.optimal_actions(t)) for t in (T_SHORT, T_MID, T_LONG)] == [5, 8, 11]
     assert len(FIRST_MESSAGE) == len(RUBRIC) == len(EASY)
     for task, steps in ((T_SHORT, 4), (T_MID, 6), (T_LONG, 5)):   # a wall move exists at each of these states
         env = envs.Navigation(task)
@@ -353,8 +353,8 @@ def replay_tokens_match(policy, t):
 
 @pytest.mark.parametrize("task,k", [(T_LONG, 0), (T_MID, 2), (T_LONG, 3)])
 def test_rewrite_is_executed_and_the_policy_continues_from_the_new_state(tiny, task, k):
-    def rewrite(q):   # the last shortest-path move: at T_LONG's start not the one the policy would play
-        return [a for a in envs.ACTIONS if q.env.check_step(a).valid][-1]
+    def rewrite(q):   # the last valid move: at T_LONG's start a move, where the policy would call the route tool
+        return [a for a in envs.MOVES if q.env.check_step(a).valid][-1]
     policy = ScriptedPolicy(tiny, corrector=rewrite)
     trajs = sample(policy, [task], 2, [{k: "wall"}, {0: "finish"}])
     orig = trajs[0]
@@ -501,7 +501,7 @@ def test_ppl_gate_keeps_low_and_drops_high_perplexity(tiny, ppl_max, gate, kept)
 def test_ppl_is_the_perplexity_of_the_rewritten_tokens_without_the_hint(tiny):
     policy = ScriptedPolicy(tiny)
     trajs = sample(policy, [T_MID], 2, [{1: "wall"}, {0: "finish"}], then={3: "wall"})
-    out, stats = run(policy, trajs, cfg(intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=1, gate_scope="intervened"))
     t = out[0]
     assert t.intervention["corrections"] == 2
     assert policy.score_calls == [[t.ids]]          # the gate scored the training sequence itself ...
@@ -518,8 +518,8 @@ def test_ppl_is_the_perplexity_of_the_rewritten_tokens_without_the_hint(tiny):
     # with the gate on, a threshold on either side of that value decides
     for ppl_max, keep in ((expected * 1.01, True), (expected * 0.99, False)):
         trajs2 = sample(policy, [T_MID], 2, [{1: "wall"}, {0: "finish"}], then={3: "wall"})
-        out2, stats2 = run(policy, trajs2, cfg(intervene_per_group=1, ppl_gate=True,
-                                                               ppl_max=ppl_max))
+        out2, stats2 = run(policy, trajs2, cfg(intervene_per_group=1, ppl_gate=True, ppl_max=ppl_max,
+                                               gate_scope="intervened"))
         assert (out2[0] is not trajs2[0]) == keep and stats2["gate_kept"] == int(keep)
 
 
@@ -644,19 +644,19 @@ def test_statistics_count_what_happened(tiny):
     out, stats = run(policy, trajs, cfg())
     expected = {
         "groups": 3, "groups_triggered": 2, "intervened": 2,
-        "steps_checked": (2 + 3) + 2,      # replay: 2 steps of row 2, 3 of row 4; continuation: turns 2, 3 of row 2
+        "steps_checked": (2 + 3) + 3,      # replay: 2 steps of row 2, 3 of row 4; continuation: turns 2-4 of row 2
         "steps_flagged": 2,
         "corrections_accepted": 1, "corrections_rejected": 1, "correction_attempts": 2 + 3,
         "with_accepted": 1, "corrected_successes": 1, "gate_kept": 1, "gate_dropped": 0,
-        "calls_corrected_mean": 4, "calls_original_mean": 5,
+        "calls_corrected_mean": 5, "calls_original_mean": 6,
     }
     assert {k: stats[k] for k in expected} == expected
-    assert stats["trigger_rate"] == pytest.approx(2 / 3) and stats["flag_rate"] == pytest.approx(2 / 7)
+    assert stats["trigger_rate"] == pytest.approx(2 / 3) and stats["flag_rate"] == pytest.approx(2 / 8)
     assert stats["accept_rate"] == pytest.approx(1 / 2) and stats["with_accepted_rate"] == 0.5   # per flagged step
     assert stats["corrected_success_rate"] == 1.0 and "role_errors" not in stats
     assert math.isnan(stats["ppl_dropped_mean"]) and stats["ppl_kept_mean"] == out[2].intervention["ppl"]
     assert_unchanged(out, trajs, [0, 1, 3, 4, 5])
-    assert out[2].reward == 1.0 and len(out[2].actions) == 4
+    assert out[2].reward == 1.0 and len(out[2].actions) == 5
     assert len(policy.role_calls["corrector"]) == 2 + 2 + 1
 
 
@@ -751,7 +751,7 @@ def test_empty_rewrite_without_verifier_does_not_crash(tiny):
 # ----------------------------------------------------------------------------- 10. max_corrections, rule corrector
 
 @pytest.mark.parametrize("cap,accepted,checked,success", [(1, 1, 1, False), (2, 2, 2, False), (3, 3, 3, False),
-                                                          (4, 4, 1 + 3, True), (8, 4, 1 + 8, True)])
+                                                          (4, 4, 1 + 3, True), (8, 4, 1 + 10, True)])
 def test_max_corrections_caps_corrections_per_trajectory(tiny, cap, accepted, checked, success):
     policy = ScriptedPolicy(tiny)
     # the original fails at 0; after each correction the policy hits a wall again at turns 1, 2, 3
@@ -791,11 +791,11 @@ def test_rule_corrector_writes_the_optimal_action_with_log_prob_zero(tiny):
 # ----------------------------------------------------------------------------- 11. format_hint
 
 @pytest.mark.parametrize("reason,hint,expected", [
-    ("wall move up hits a wall ; next A 3 1 dir down", "next A 3 1 dir down",
-     "<hint> wall move up hits a wall ; next A 3 1 dir down </hint>"),
-    ("llm flagged", "next A 3 1 dir down", "<hint> llm flagged ; next A 3 1 dir down </hint>"),
-    ("wall", "next finish dir finish", "<hint> wall ; next finish dir finish </hint>"),
-    ("", "next B 0 2 dir left", "<hint> next B 0 2 dir left </hint>"),
+    ("wall move up hits a wall ; next A 3 1 do route", "next A 3 1 do route",
+     "<hint> wall move up hits a wall ; next A 3 1 do route </hint>"),
+    ("llm flagged", "next A 3 1 do route", "<hint> llm flagged ; next A 3 1 do route </hint>"),
+    ("wall", "next finish do finish", "<hint> wall ; next finish do finish </hint>"),
+    ("", "next B 0 2 do move left", "<hint> next B 0 2 do move left </hint>"),
     ("llm flagged", "", "<hint> llm flagged </hint>"),
 ])
 def test_format_hint(reason, hint, expected):
@@ -808,7 +808,7 @@ def test_format_hint_on_the_env_reasons_states_the_hint_once():
         check = env.check_step(action)
         if not check.valid:
             block = intervene.format_hint(check.reason, env.hint())
-            assert block == f"<hint> {check.reason} </hint>" and block.count(" dir ") == 1
+            assert block == f"<hint> {check.reason} </hint>" and block.count(" do ") == 1
 
 
 def test_run_totals_add_counts_and_take_means_over_the_run():

@@ -167,7 +167,7 @@ class Traj:
 
 def test_intervene_runs_with_a_policy_and_trajectories_written_here():
     """A 1x3 corridor: the agent must move right twice and finish. Every trajectory of the group finished at once
-    (a failure). The rule corrector rewrites that `finish` into `move right`, the policy goes on with `move right`,
+    (a failure). The rule corrector rewrites that `finish` into `route`, the policy goes on with `move right` twice,
     then its `move right` at the goal is flagged too and rewritten into `finish`: two corrections a trajectory."""
     task = envs.NavTask("corridor", 1, 3, walls=[], start=[0, 0], waypoints=[[0, 2]], max_turns=6)
     policy = OptimalPolicy()
@@ -187,6 +187,6 @@ def test_intervene_runs_with_a_policy_and_trajectories_written_here():
     assert stats["groups_triggered"] == 1 and stats["steps_flagged"] == 4 and stats["corrections_accepted"] == 4
     assert stats["gate_kept"] == 2 and stats["ppl_kept_mean"] == pytest.approx(2.718281828 ** 0.1)
     for t in out:
-        assert t.reward == 1.0 and t.actions == ["move right", "move right", "finish"]
+        assert t.reward == 1.0 and t.actions == ["route", "move right", "move right", "finish"]
         trained = [(s, lp) for s, lp, m in zip(t.source, t.sample_logp, t.loss_mask) if m]
-        assert trained == [(INTERVENED, 0.0)] * 3 + [(POLICY, -0.5)] * 3 + [(INTERVENED, 0.0)] * 2
+        assert trained == [(INTERVENED, 0.0)] * 2 + [(POLICY, -0.5)] * 6 + [(INTERVENED, 0.0)] * 2

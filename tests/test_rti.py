@@ -162,7 +162,7 @@ def test_warm_start_lowers_its_loss(tmp_path):
 def test_teacher_sequence_hint_tokens_are_not_trained(tiny):
     chat = rti.Chat(tiny[1])
     task = easy_tasks(1)[0]
-    ids, w = warmstart.teacher_sequence(chat, task, random.Random(0), hint_frac=1.0, obs_weight=0.5)
+    ids, w = warmstart.teacher_sequence(chat, task, random.Random(0), hint_frac=1.0, obs_weight=0.5, route_frac=0.0)
     text = chat.tok.convert_ids_to_tokens(ids)
     inside = False
     for tok, wt in zip(text, w):
@@ -172,8 +172,21 @@ def test_teacher_sequence_hint_tokens_are_not_trained(tiny):
             assert wt == 0.0
         if tok == "</hint>":
             inside = False
-    assert text.count("<hint>") == len(envs.optimal_actions(task))
+    assert text.count("<hint>") == len(envs.optimal_actions(task))      # and it does what each hint says
     assert 1.0 in w and 0.5 in w
+
+
+def test_teacher_routes_the_share_of_legs_it_is_told_and_always_succeeds(tiny):
+    chat = rti.Chat(tiny[1])
+    for task in easy_tasks(8):
+        def actions(route_frac):
+            ids, _ = warmstart.teacher_sequence(chat, task, random.Random(0), 0.0, 1.0, route_frac)
+            acts = [w for w in chat.tok.decode(ids).split("<|assistant|>")[1:]]
+            return [" ".join(a.split("<|im_end|>")[0].split()) for a in acts]
+        oracle, walker = actions(1.0), actions(0.0)
+        assert oracle == envs.optimal_actions(task)                       # every leg: route, then follow it
+        assert "route" not in walker and envs.run_actions(task, walker).score().success   # shortest moves only
+        assert len(walker) == len(oracle) - len(task.waypoints)
 
 
 def small_cfg(tmp_path, **kw):

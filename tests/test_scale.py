@@ -153,6 +153,8 @@ CALL = '<tool_call>\n{"name": "move", "arguments": {"direction": "up"}}\n</tool_
     (CALL, "move up"),
     ('<tool_call>{"name": "finish", "arguments": {}}</tool_call>', "finish"),
     ('<tool_call>{"name": "finish"}</tool_call>', "finish"),
+    ('<tool_call>{"name": "route", "arguments": {}}</tool_call>', "route"),
+    ('<tool_call>{"name": "route", "arguments": {"to": "A"}}</tool_call>', "unknown tool"),
     ('<tool_call>{"name": "move", "arguments": "{\\"direction\\": \\"left\\"}"}</tool_call>', "move left"),
     ("I will go up now.\n" + CALL + "\nDone.", "move up"),                        # text around one call
     ("<think>\nmaybe <tool_call> down?\n</think>\n\n" + CALL, "move up"),       # a think block is skipped
