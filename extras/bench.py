@@ -24,7 +24,7 @@ def bench(model_dir: str, tasks: int = 8, group: int = 8, repeats: int = 3, thre
     torch.set_num_threads(threads)
     model, tok = rti.load_model(model_dir)
     batch_tasks = envs.make_tasks("train")[:tasks]
-    cfg = rti.make_config(batch_tasks=tasks, group_size=group, micro_batch=tasks * group)
+    cfg = rti.make_config(batch_tasks=tasks, group_size=group)
     rates = {"batched": [], "one at a time": []}
     for r in range(repeats):
         for mode in rates:
