@@ -16,11 +16,6 @@ spaces. Garbage actions are never echoed back.
     ('route down right right . pos 1 0 next A 2 2 blocked left right', False)
     >>> env.check_step("move up").reason
     'detour move up leaves the route ; next A 2 2 do move down'
-    >>> print(render(task, optimal_actions(task)))
-      0 1 2
-    0 S . B
-    1 * # *
-    2 * * A
 
 Coordinates are (row, col) with row 0 at the top; "up" decreases the row. `python envs.py` prints a sample task, its
 render and the split table; `python envs.py audit` the undecidable flagged steps (0) and the baselines' p@1.
@@ -309,7 +304,9 @@ class Navigation(Env):
     def _target_words(self) -> str:
         if self.visited < len(self._points):
             return f"next {LABELS[self.visited]} {_cell_words(self._goal())}"
-        return "next finish" if self._at_end() else f"next finish at {LABELS[len(self._points) - 1]} {_cell_words(self._goal())}"
+        if self._at_end():
+            return "next finish"
+        return f"next finish at {LABELS[len(self._points) - 1]} {_cell_words(self._goal())}"
 
     def _state_words(self) -> str:
         blocked = [a.split()[1] for a in MOVES if self._blocked(self.pos, a)]
@@ -436,7 +433,8 @@ def run_actions(task: NavTask, actions: list[str]) -> Navigation:
     """A fresh episode of `task` with `actions` applied (those after the episode ends are ignored)."""
     env = Navigation(task)
     for a in actions:
-        _ = env.done or env.step(a)
+        if not env.done:
+            env.step(a)
     return env
 
 
@@ -497,8 +495,9 @@ def undecidable_flags(tasks: list[NavTask], seed: int = 0) -> tuple[int, int]:
         while not env.done:
             action = rng.choice([env.optimal_action(), greedy_action(env, rng), rng.choice(ACTIONS + ("jump",))])
             check = env.check_step(action)
-            flagged, bad = flagged + (not check.valid), bad + (not check.valid and
-                                                               check.reason.split(" do ")[-1] != context_action(text))
+            if not check.valid:
+                flagged += 1
+                bad += check.reason.split(" do ")[-1] != context_action(text)
             text = env.step(action)[0]
     return bad, flagged
 
