@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 import envs
 import intervene
 import rti
+from loss import group_rows
 
 
 @dataclass
@@ -72,16 +73,16 @@ def teacher_sequence(chat: rti.Chat, task, rng: random.Random, hint_frac: float,
     while not env.done:
         piece = chat.prompt_ids if env.turns == 0 else chat.turn_ids
         plain = piece(content)
-        w = [obs_weight] * len(plain)
+        w, best = [obs_weight] * len(plain), env.optimal_action()
         if rng.random() < hint_frac:
             reason = env.check_step(rng.choice([a for a in envs.ACTIONS if not env.check_step(a).valid])).reason
             hinted = piece(content + " " + intervene.format_hint(reason, env.hint()))
             n_hint = len(hinted) - len(plain)
             w = [obs_weight] * len(hinted)
             w[len(hinted) - n_post - n_hint:len(hinted) - n_post] = [0.0] * n_hint
-            plain, action = hinted, env.optimal_action()
-        elif env.route or env.optimal_action() == "finish":
-            action = env.optimal_action()
+            plain, action = hinted, best
+        elif env.route or best == "finish":
+            action = best
         else:
             action = "route" if leg < env.visited and rng.random() < route_frac else env.shortest_moves()[0]
         leg = env.visited
@@ -166,9 +167,9 @@ def report(cfg: WarmStartConfig, model_dir: str, log=print) -> dict:
     with torch.no_grad():
         test = rti.rollout(sampler, envs.Navigation.tasks(cfg.test_split)[:cfg.eval_tasks], cfg.eval_samples, 1234)
         train = rti.rollout(sampler, envs.Navigation.tasks(cfg.train_split)[:cfg.batch_tasks], cfg.group_size, 99)
-    groups = [[t.reward for t in train if t.group == g] for g in range(cfg.batch_tasks)]
+    groups = group_rows([t.group for t in train]).values()
     out = {"test_p@1": 100 * float(np.mean([t.reward for t in test])), "train_all_fail": float(np.mean(
-        [max(g) == 0 for g in groups])), "train_p@1": 100 * float(np.mean([t.reward for t in train])),
+        [max(train[i].reward for i in rows) == 0 for rows in groups])), "train_p@1": 100 * float(np.mean([t.reward for t in train])),
         **{f"test_{k}": v for k, v in tool_use(test).items()}, **{f"train_{k}": v for k, v in tool_use(train).items()}}
     log(f"{model_dir}: " + ", ".join(f"{k} {v:.3f}" for k, v in out.items()))
     return out
