@@ -52,7 +52,7 @@ class RTIConfig:
     group_mode: str = "replace"     # "paired" | "replace": see intervene_batch
     intervene_per_group: int = 0    # replace: failed trajectories corrected per triggered group; 0 = half of it
     ppl_gate: bool = True           # False = "w/o PPL gate"
-    ppl_max: float = 4.0
+    ppl_max: float = 1.3            # the 95th percentile of the warm start's own agent PPL (Navigation, fit split)
     gate_scope: str = "agent"       # tokens the gate's perplexity is over: "agent" | "intervened" | "trajectory"
     correction_tries: int = 3
     max_corrections: int = 8        # per trajectory

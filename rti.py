@@ -63,7 +63,7 @@ class Config:
     lr: float = 1e-4
     weight_decay: float = 0.0
     updates_per_batch: int = 1          # epochs over each rollout batch
-    mini_batches: int = 1               # optimizer steps per epoch, on shuffled parts of the batch
+    mini_batches: int = 4               # optimizer steps per epoch, on shuffled parts of the batch (chosen on val)
     warmup_steps: int = 0               # linear learning-rate warm-up over the first N steps
     micro_batch: int = 8                # rows per forward/backward (gradients accumulate); memory ~ rows x T^2
     grad_clip: float = 1.0
@@ -397,9 +397,7 @@ class Sampler:
 
     def generate(self, contexts: list[list[int]], max_new: int | None = None):
         """One agent turn for each context, re-encoding the context (corrector and LLM roles)."""
-        if not contexts:
-            return [], []
-        return self.sample_turn(self.session(contexts), list(range(len(contexts))), max_new)
+        return self.sample_turn(self.session(contexts), list(range(len(contexts))), max_new) if contexts else ([], [])
 
     @torch.no_grad()
     def score(self, seqs: list[list[int]]) -> list[list[float]]:
@@ -677,8 +675,10 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
         task_rng.setstate(state["task_rng"])
         sampler.gen.set_state(state["sample_rng"])
         torch.set_rng_state(state["torch_rng"])
-        step = state["step"]
+        step, rti_steps = state["step"], state.get("rti_steps", [])
         log(f"resumed from {ckpt} at step {step}")
+        logged = (out / "metrics.jsonl").read_text().splitlines()   # rows past the checkpoint will come again
+        (out / "metrics.jsonl").write_text("".join(r + "\n" for r in logged if json.loads(r)["step"] <= step))
     elif cfg.eval_tasks and cfg.eval_before:
         results["before"], results["before_tasks"] = test()
         log(f"before training: test p@1 {results['before']['p@1']:.2f}")
@@ -703,7 +703,7 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
             backend.save_checkpoint(ckpt, sampler, opt, {
                 "step": step + 1, "task_rng": task_rng.getstate(), "sample_rng": sampler.gen.get_state(),
-                "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)})
+                "torch_rng": torch.get_rng_state(), "rti_steps": rti_steps, "config": dataclasses.asdict(cfg)})
     if cfg.method == "rti":
         results["interventions"] = evaluate.run_totals(rti_steps)
     if cfg.eval_tasks:

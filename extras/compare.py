@@ -4,8 +4,9 @@
     python -m extras.compare --quick --seeds 0             # a smoke run: 4 steps of 4 tasks, 30 test tasks
 
 Every run is `python rti.py` with the method's flags (and any flags given after `--`), from the same warm start, with
-the same budget and seeds. Writes compare.md, compare.csv and (with matplotlib) fig5_correction_ppl.png,
-fig6_training_curves.png and fig7_weighted_ratio.png under --out.
+the same budget and seeds: 48 steps of 8 tasks x 8, test p@1 every 8 steps. Writes compare.md, compare.csv and (with
+matplotlib) fig5_correction_ppl.png, fig6_training_curves.png and fig7_weighted_ratio.png under --out. The same
+command again resumes: finished runs are kept, unfinished ones go on from their last checkpoint.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ METHODS = {   # the paper's Table 3 rows, all from the same warm start, budget a
     "RTI w/o PPL gate": ["--method", "rti", "--no-ppl-gate"],
     "RTI w/o reweight": ["--method", "rti", "--no-reweight"],
 }
-FULL = ["--eval-tasks", "150", "--eval-every", "4"]    # the default budget (8 steps), test curve every 4 steps
+FULL = ["--steps", "48", "--eval-tasks", "150", "--eval-every", "8", "--save-every", "4"]   # past GRPO's plateau
 QUICK = ["--steps", "4", "--eval-tasks", "30", "--eval-every", "0", "--batch-tasks", "4"]
 BOUNDARY_SAMPLES, BOUNDARY_TASKS, BOUNDARY_TASKS_QUICK = 16, 150, 30   # the warm start's boundary: 16 samples a task
 
@@ -51,10 +52,14 @@ def slug(name: str) -> str:
 
 
 def run_one(args: tuple) -> str:
-    """One training run as a subprocess of `python rti.py` (one thread each, so `jobs` runs share the cores)."""
+    """One training run as a subprocess of `python rti.py` (one thread each, so `jobs` runs share the cores); a run
+    with results is kept, one with a checkpoint resumes from it."""
     flags, out, log = args
-    with open(log, "w") as f:
-        subprocess.run([sys.executable, "rti.py", *flags, "--out", out, "--threads", "1", "--no-progress"],
+    if (Path(out) / "results.json").exists():
+        return out
+    resume = ["--resume"] if (Path(out) / "ckpt.pt").exists() else []
+    with open(log, "a" if resume else "w") as f:
+        subprocess.run([sys.executable, "rti.py", *flags, *resume, "--out", out, "--threads", "1", "--no-progress"],
                        stdout=f, stderr=subprocess.STDOUT, check=True)
     return out
 
@@ -73,20 +78,16 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
     work = [([*METHODS[name], "--seed", str(seed), "--no-eval-before", *(QUICK if quick else FULL), *extra],
              str(out / f"{slug(name)}-s{seed}"), str(out / f"{slug(name)}-s{seed}.log")) for name, seed in runs]
     t0 = time.time()
-    torch.set_num_threads(jobs)
-    model, tok = rti.load_model(warmstart_dir(extra))
-    tasks = envs.make_tasks("test")[:BOUNDARY_TASKS_QUICK if quick else BOUNDARY_TASKS]
-    warm = rti.evaluate_policy(rti.Sampler(model, tok, seed=seeds[0]), tasks, BOUNDARY_SAMPLES, seed=seeds[0],
-                               per_task=True)
     with ThreadPoolExecutor(jobs) as pool:
         list(pool.map(run_one, work))
     wall = time.time() - t0
+    warm = warm_boundary(out, warmstart_dir(extra), BOUNDARY_TASKS_QUICK if quick else BOUNDARY_TASKS, seeds[0], jobs)
     results = {run: json.loads((Path(w[1]) / "results.json").read_text()) for run, w in zip(runs, work)}
     command = ["python -m extras.compare"] + (["--quick"] if quick else []) + ["--seeds", *map(str, seeds), "--jobs",
                                                                                str(jobs), *extra]
-    write_report(results, warm, seeds, out, wall, " ".join(command))
+    write_report(results, warm, seeds, out, wall, " ".join(command), curve_table(out, seeds, warm[0]["p@1"]))
     try:
-        plot_curves(out, seeds[0], warm[0]["p@1"])
+        plot_curves(out, seeds, warm[0]["p@1"])
         plot_heatmap(out / f"rti-s{seeds[0]}" / "model", out / "fig7_weighted_ratio.png", seed=seeds[0])
     except ImportError:
         print("matplotlib is not installed: no figures (pip install matplotlib)")
@@ -95,6 +96,20 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
 
 def warmstart_dir(extra: list[str]) -> str:
     return extra[extra.index("--init") + 1] if "--init" in extra else rti.WARMSTART_DIR
+
+
+def warm_boundary(out: Path, init: str, n_tasks: int, seed: int, threads: int) -> tuple[dict, list[list[bool]]]:
+    """The warm start on the first n_tasks test tasks, BOUNDARY_SAMPLES samples each: (summary, per-task successes),
+    kept in warm_start.json so that a resumed comparison does not sample them again."""
+    path = out / "warm_start.json"
+    if path.exists() and len(json.loads(path.read_text())[1]) == n_tasks:
+        return tuple(json.loads(path.read_text()))
+    torch.set_num_threads(threads)
+    model, tok = rti.load_model(init)
+    warm = rti.evaluate_policy(rti.Sampler(model, tok, seed=seed), envs.make_tasks("test")[:n_tasks],
+                               BOUNDARY_SAMPLES, seed=seed, per_task=True)
+    path.write_text(json.dumps(warm))
+    return warm
 
 
 def boundary(results: dict, warm_tasks: list[list[bool]], seeds: list[int]) -> tuple[int, dict[str, float]]:
@@ -109,8 +124,22 @@ def boundary(results: dict, warm_tasks: list[list[bool]], seeds: list[int]) -> t
     return len(never), out
 
 
-def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float, command: str) -> None:
-    """compare.md, compare.csv and (with matplotlib) the figures."""
+def curve_table(out: Path, seeds: list[int], start_p1: float) -> list[str]:
+    """Test p@1 at every evaluation, mean over seeds (and each seed's RTI - GRPO gap), as markdown lines."""
+    p1 = {(name, s): {0: start_p1, **per_step(read_jsonl(out / f"{slug(name)}-s{s}" / "metrics.jsonl"), "test/p@1")}
+          for name in METHODS for s in seeds}
+    steps = sorted(set.intersection(*(set(v) for v in p1.values())))
+    lines = ["| test p@1 at step | " + " | ".join(map(str, steps)) + " |", "| --- |" + " --- |" * len(steps)]
+    lines += [f"| {name} | " + " | ".join(f"{sum(p1[(name, s)][t] for s in seeds) / len(seeds):.2f}" for t in steps)
+              + " |" for name in METHODS]
+    lines += [f"| RTI - GRPO, seed {s} | " + " | ".join(f"{p1[('RTI', s)][t] - p1[('GRPO', s)][t]:+.2f}"
+                                                      for t in steps) + " |" for s in seeds]
+    return lines
+
+
+def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float, command: str,
+                 curves: list[str] = ()) -> None:
+    """compare.md (with `curves`, curve_table's lines, if given), compare.csv."""
     keys = [k for k, _ in COLUMNS]
     rows, spread, csv = {}, {}, ["method,seed," + ",".join(keys)]
     warm_summary, warm_tasks = warm
@@ -131,6 +160,9 @@ def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float,
     lines += [f"| {n} | {spread[n]:.2f} | {never[n]:.1f} |" for n in METHODS]
     lines += ["", f"RTI minus GRPO p@1 per seed: {', '.join(f'{g:+.2f}' for g in gap)} "
                   f"(mean {sum(gap) / len(gap):+.2f})"]
+    if curves:
+        lines += ["", "Test p@1 over training, mean over seeds (step 0: the warm start, 16 samples a task; then the "
+                      "runs' 4):", "", *curves]
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     (out / "compare.csv").write_text("\n".join(csv) + "\n")
     print("\n".join(lines))
@@ -142,35 +174,55 @@ def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
 
-def plot_curves(out, seed: int, start_p1: float | None = None) -> None:
-    """fig6: train success and test p@1 against step, GRPO vs RTI (the paper's Figure 6), test p@1 starting from the
-    warm start's `start_p1` at step 0; fig5: perplexity of corrections kept vs dropped by the gate over training
-    (Figure 5)."""
+def per_step(rows: list[dict], key: str) -> dict[int, float]:
+    return {r["step"]: r[key] for r in rows if key in r and r[key] == r[key]}   # skip NaN
+
+
+def band(ax, runs: list[dict[int, float]], label: str, style: str = "-", smooth: int = 1) -> None:
+    """Mean over runs (seeds) of a `smooth`-step moving average at each step, and their min-max spread; a run with
+    no value in a window (the gate dropped nothing then) sits that step out."""
+    steps = sorted(set().union(*runs))
+    cols = []
+    for i in range(len(steps)):
+        window = steps[max(0, i - smooth + 1):i + 1]
+        vals = [[r[t] for t in window if t in r] for r in runs]
+        cols.append([sum(v) / len(v) for v in vals if v])
+    if not steps:
+        return
+    line, = ax.plot(steps, [sum(c) / len(c) for c in cols], style, label=label)
+    ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols], color=line.get_color(), alpha=0.15)
+
+
+def plot_curves(out, seeds: list[int], start_p1: float | None = None) -> None:
+    """fig6 (the paper's Figure 6): train success and test p@1 against step, GRPO vs RTI, mean over seeds with their
+    spread, test p@1 from the warm start's `start_p1` at step 0, and the share of RTI's groups that triggered an
+    intervention; fig5 (Figure 5): perplexity of the corrections the gate kept vs dropped over training."""
     plt = pyplot()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.5))
+    logs = {(name, s): read_jsonl(out / f"{slug(name)}-s{s}" / "metrics.jsonl")
+            for name in ("GRPO", "RTI") for s in seeds}
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 3.6))
     for name in ("GRPO", "RTI"):
-        rows = read_jsonl(out / f"{slug(name)}-s{seed}" / "metrics.jsonl")
-        train = [r for r in rows if "train_success" in r]
-        a.plot([r["step"] for r in train], [100 * r["train_success"] for r in train], label=f"{name} (sampled)")
+        runs = [logs[(name, s)] for s in seeds]
+        band(a, [{k: 100 * v for k, v in per_step(r, "train_success").items()} for r in runs], f"{name} (sampled)",
+             smooth=4)
         if name == "RTI":
-            a.plot([r["step"] for r in train], [100 * r["train_success_after_rti"] for r in train], "--",
-                   label="RTI (after intervention)")
-        test = ([(0, start_p1)] if start_p1 is not None else []) + [(r["step"], r["test/p@1"]) for r in rows
-                                                                     if "test/p@1" in r]
-        b.plot(*zip(*test), "o-", label=name)
-    a.set(xlabel="step", ylabel="train success (%)", title="training rollouts")
-    b.set(xlabel="step", ylabel="test p@1", title="test split")
+            band(a, [{k: 100 * v for k, v in per_step(r, "train_success_after_rti").items()} for r in runs],
+                 "RTI (after intervention)", "--", smooth=4)
+            band(c, [{k: 100 * v for k, v in per_step(r, "rti/trigger_rate").items()} for r in runs], "RTI",
+                 smooth=4)
+        start = {0: start_p1} if start_p1 is not None else {}
+        band(b, [{**start, **per_step(r, "test/p@1")} for r in runs], name, "o-")
+    a.set(xlabel="step", ylabel="train success (%)", title="training rollouts (4-step mean)")
+    b.set(xlabel="step", ylabel="test p@1", title=f"test split (mean, spread over {len(seeds)} seeds)")
+    c.set(xlabel="step", ylabel="groups triggered (%)", title="groups with no success: intervened (4-step mean)")
     a.legend(), b.legend()
     fig.tight_layout()
     fig.savefig(out / "fig6_training_curves.png", dpi=120)
     plt.close(fig)
-    rows = [r for r in read_jsonl(out / f"rti-s{seed}" / "metrics.jsonl") if "rti/groups" in r]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for key, label in (("rti/ppl_kept_mean", "kept by the gate"), ("rti/ppl_dropped_mean", "dropped by the gate")):
-        pts = [(r["step"], r[key]) for r in rows if r.get(key) == r.get(key)]   # skip NaN
-        if pts:
-            ax.plot(*zip(*pts), "o-", label=label)
-    ax.set(xlabel="step", ylabel="PPL of intervened tokens", title="corrections: gate decisions (RTI)")
+        band(ax, [per_step(logs[("RTI", s)], key) for s in seeds], label, "o-", smooth=4)
+    ax.set(xlabel="step", ylabel="PPL (agent tokens)", title="corrections: gate decisions (RTI, 4-step mean)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "fig5_correction_ppl.png", dpi=120)
@@ -178,21 +230,26 @@ def plot_curves(out, seed: int, start_p1: float | None = None) -> None:
 
 
 def plot_heatmap(model_dir, png, seed: int = 0) -> None:
-    """fig7: the calibrated weighted ratio rho_t * w_t on the agent tokens of one intervened trajectory, at its
-    first update (rho_t = 1 there, so the figure shows the token weights w_t), beside the naive ratio pi / mu."""
+    """fig7 (the paper's Figure 7): the calibrated weighted ratio rho_t * w_t on the agent tokens of one intervened
+    trajectory as a second mini-batch would see it (`--mini-batches 2`): pi_old scored, then one AdamW step on the
+    rest of its batch, then rho_t = pi / pi_old. Beside it, the naive ratio pi_old / mu on the intervened tokens."""
     plt = pyplot()
+    from matplotlib.colors import TwoSlopeNorm
     model, tok = rti.load_model(str(model_dir))
-    policy = rti.Sampler(model, tok, seed=seed)
-    traj = None
+    policy, cfg = rti.Sampler(model, tok, seed=seed), rti.make_config(mini_batches=1)   # the first of two steps
     for i in range(0, 600, 8):
         trajs, _ = intervene.intervene_batch(policy, rti.rollout(policy, envs.make_tasks("train")[i:i + 8], 8),
                                              intervene.RTIConfig(ppl_gate=False), policy.make_env)
-        traj = next((t for t in trajs if t.intervention and loss.INTERVENED in t.source), None)
-        if traj:
+        j = next((j for j, t in enumerate(trajs) if t.intervention and loss.INTERVENED in t.source), None)
+        if j is not None:
             break
-    if traj is None:
+    else:
         return
-    old = torch.tensor([policy.score([traj.ids])[0]])
+    traj, old = trajs[j], torch.tensor(policy.score([trajs[j].ids]))
+    adv = loss.advantages_by_group(torch.tensor([t.reward for t in trajs]), [t.group for t in trajs])
+    rest = [k for k in range(len(trajs)) if k != j and adv[k] != 0]
+    rti.update(policy, torch.optim.AdamW(model.parameters(), lr=cfg.lr), [trajs[k] for k in rest], adv[rest], cfg)
+    rho = torch.exp(torch.tensor(policy.score([traj.ids])) - old)[0]
     beh, src, mask = (torch.tensor([x]) for x in (traj.sample_logp, traj.source, traj.loss_mask))
     w = loss.token_weights(beh, old, (src == loss.INTERVENED) & (mask > 0))[0]
     naive = torch.exp(old - beh)[0]
@@ -201,21 +258,23 @@ def plot_heatmap(model_dir, png, seed: int = 0) -> None:
     cols = 12
     rows_ = (len(idx) + cols - 1) // cols
     fig, axes = plt.subplots(2, 1, figsize=(cols * 0.9, rows_ * 0.9 + 1.5))
-    for ax, vals, title in ((axes[0], w, "weighted ratio rho*w at the first update (= w)"),
+    for ax, vals, title in ((axes[0], rho * w, "weighted ratio rho*w at a second mini-batch step (rho = pi / pi_old)"),
                             (axes[1], torch.where(src[0] == loss.INTERVENED, naive, torch.ones_like(naive)),
                              "naive ratio pi_old / mu (intervened tokens)")):
         grid = torch.full((rows_, cols), float("nan"))
-        for j, i in enumerate(idx):
-            grid[j // cols, j % cols] = vals[i]
-        im = ax.imshow(grid.numpy(), cmap="coolwarm", vmin=0, vmax=max(2.0, float(vals[idx].max())))
-        for j, i in enumerate(idx):
+        for k, i in enumerate(idx):
+            grid[k // cols, k % cols] = vals[i]
+        norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=max(2.0, float(vals[idx].max())))   # white at ratio 1
+        im = ax.imshow(grid.numpy(), cmap="coolwarm", norm=norm)
+        for k, i in enumerate(idx):
             mark = "*" if traj.source[i] == loss.INTERVENED else ""
-            ax.text(j % cols, j // cols, mark + words[j].replace("<|im_end|>", "eos"), ha="center", va="center",
+            ax.text(k % cols, k // cols, mark + words[k].replace("<|im_end|>", "eos"), ha="center", va="center",
                     fontsize=6)
         ax.set_title(title, fontsize=9)
         ax.set_xticks([]), ax.set_yticks([])
         fig.colorbar(im, ax=ax, fraction=0.02)
-    fig.suptitle("agent tokens of one corrected trajectory (* = intervened)", fontsize=9)
+    fig.suptitle(f"agent tokens of one corrected trajectory (* = intervened); policy-token rho in "
+                 f"[{float(rho[idx].min()):.3f}, {float(rho[idx].max()):.3f}]", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)

@@ -1,4 +1,5 @@
 """extras/: the comparison's report, and every optional command answers --help from a fresh checkout."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,43 @@ def test_report_writes_the_table_and_the_gap(tmp_path):
     assert "1 of 2 test tasks are never solved" in md
     csv = (tmp_path / "compare.csv").read_text().splitlines()
     assert len(csv) == 1 + 2 * len(compare.METHODS) and csv[0].startswith("method,seed,p@1")
+
+
+def test_curve_table_gives_each_evaluation_and_each_seeds_gap(tmp_path):
+    p1 = {"GRPO": {0: [10, 12], 1: [11, 9]}, "RTI": {0: [30, 40], 1: [20, 35]}}   # test p@1 at steps 8 and 16
+    for name in compare.METHODS:
+        for s in (0, 1):
+            run = tmp_path / f"{compare.slug(name)}-s{s}"
+            run.mkdir()
+            vals = p1.get(name, p1["RTI"])[s]
+            rows = [{"step": 8, "train_success": 0.1, "test/p@1": vals[0]}, {"step": 9, "train_success": 0.2},
+                    {"step": 16, "test/p@1": vals[1]}]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = compare.curve_table(tmp_path, [0, 1], 5.0)
+    assert lines[0] == "| test p@1 at step | 0 | 8 | 16 |"
+    assert "| GRPO | 5.00 | 10.50 | 10.50 |" in lines and "| RTI | 5.00 | 25.00 | 37.50 |" in lines
+    assert "| RTI - GRPO, seed 1 | +0.00 | +9.00 | +26.00 |" in lines
+
+
+def test_a_rerun_comparison_keeps_finished_runs_and_resumes_the_others(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(compare.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    done, half, new = (tmp_path / n for n in ("done", "half", "new"))
+    done.mkdir(), half.mkdir()
+    (done / "results.json").write_text("{}")
+    (half / "ckpt.pt").write_bytes(b"")
+    for out in (done, half, new):
+        compare.run_one((["--method", "rti"], str(out), str(tmp_path / f"{out.name}.log")))
+    assert len(calls) == 2 and "--resume" in calls[0] and "--resume" not in calls[1]
+    assert calls[0][calls[0].index("--out") + 1] == str(half)
+
+
+def test_the_warm_start_boundary_is_sampled_once(tmp_path):
+    warm = [{"p@1": 12.5}, [[True] * 16, [False] * 16]]
+    (tmp_path / "warm_start.json").write_text(json.dumps(warm))
+    assert list(compare.warm_boundary(tmp_path, "no/such/model", 2, 0, 1)) == warm   # read back, no model loaded
+    with pytest.raises(FileNotFoundError):   # another number of tasks: sampled again, from the model
+        compare.warm_boundary(tmp_path, "no/such/model", 3, 0, 1)
 
 
 @pytest.mark.slow

@@ -388,7 +388,8 @@ def test_flags_the_machine_cannot_serve_say_what_to_change(flags, env, patch, ex
 FLAGS = ["--init", "", "--train-split", "easy", "--steps", "2", "--batch-tasks", "2", "--group-size", "4",
          "--eval-tasks", "0", "--no-progress", "--method", "rti", "--corrector", "rule", "--no-ppl-gate",
          "--intervene-per-group", "1", "--max-corrections", "100", "--temperature", "1.0", "--lr", "1e-3",
-         "--micro-batch", "3", "--save-every", "1", "--threads", "1"]
+         "--micro-batch", "3", "--save-every", "1", "--threads", "1",
+         "--mini-batches", "1"]   # with more, each process shuffles its own rows: other parts than one process's
 
 
 def fsdp_worker(out: str) -> None:
