@@ -151,7 +151,8 @@ def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float,
         csv += [f"{name},{s}," + ",".join(f"{r[k]:.2f}" for k in keys) for s, r in zip(seeds, per_seed)]
     n_never, never = boundary(results, warm_tasks, seeds)
     gap = [results[("RTI", s)]["after"]["p@1"] - results[("GRPO", s)]["after"]["p@1"] for s in seeds]
-    lines = [f"Command: `{command}` ({len(seeds)} seeds, wall time {wall / 60:.1f} min)", "",
+    lines = [f"Command: `{command}` ({len(seeds)} seeds; this invocation {wall / 60:.1f} min, a resumed one counts "
+             f"only its own part)", "",
              format_table(rows), "",
              f"Beyond the boundary: {n_never} of {len(warm_tasks)} test tasks are never solved by the warm start in "
              f"{BOUNDARY_SAMPLES} samples; the last column is the share of them a trained policy solves in its "
