@@ -677,8 +677,9 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
         torch.set_rng_state(state["torch_rng"])
         step, rti_steps = state["step"], state.get("rti_steps", [])
         log(f"resumed from {ckpt} at step {step}")
-        logged = (out / "metrics.jsonl").read_text().splitlines()   # rows past the checkpoint will come again
-        (out / "metrics.jsonl").write_text("".join(r + "\n" for r in logged if json.loads(r)["step"] <= step))
+        if main_process:   # the log's rows past the checkpoint will come again
+            logged = (out / "metrics.jsonl").read_text().splitlines()
+            (out / "metrics.jsonl").write_text("".join(r + "\n" for r in logged if json.loads(r)["step"] <= step))
     elif cfg.eval_tasks and cfg.eval_before:
         results["before"], results["before_tasks"] = test()
         log(f"before training: test p@1 {results['before']['p@1']:.2f}")

@@ -102,8 +102,9 @@ def warm_boundary(out: Path, init: str, n_tasks: int, seed: int, threads: int) -
     """The warm start on the first n_tasks test tasks, BOUNDARY_SAMPLES samples each: (summary, per-task successes),
     kept in warm_start.json so that a resumed comparison does not sample them again."""
     path = out / "warm_start.json"
-    if path.exists() and len(json.loads(path.read_text())[1]) == n_tasks:
-        return tuple(json.loads(path.read_text()))
+    cached = json.loads(path.read_text()) if path.exists() else None
+    if cached and len(cached[1]) == n_tasks:
+        return tuple(cached)
     torch.set_num_threads(threads)
     model, tok = rti.load_model(init)
     warm = rti.evaluate_policy(rti.Sampler(model, tok, seed=seed), envs.make_tasks("test")[:n_tasks],
@@ -183,13 +184,13 @@ def band(ax, runs: list[dict[int, float]], label: str, style: str = "-", smooth:
     """Mean over runs (seeds) of a `smooth`-step moving average at each step, and their min-max spread; a run with
     no value in a window (the gate dropped nothing then) sits that step out."""
     steps = sorted(set().union(*runs))
+    if not steps:
+        return
     cols = []
     for i in range(len(steps)):
         window = steps[max(0, i - smooth + 1):i + 1]
         vals = [[r[t] for t in window if t in r] for r in runs]
         cols.append([sum(v) / len(v) for v in vals if v])
-    if not steps:
-        return
     line, = ax.plot(steps, [sum(c) / len(c) for c in cols], style, label=label)
     ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols], color=line.get_color(), alpha=0.15)
 
