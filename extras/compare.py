@@ -69,12 +69,13 @@ def mean_std(xs: list[float]) -> tuple[float, float]:
     return m, (sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5
 
 
-def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[str]) -> dict:
-    """Train every method of METHODS for every seed from the same warm start, then write the table (markdown and
-    CSV), the beyond-the-boundary counts and the figures under out_dir. Returns the per-run results."""
+def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[str],
+            methods: list[str] = tuple(METHODS)) -> dict:
+    """Train each of `methods` (names of METHODS) for every seed from the same warm start, then write the table
+    (markdown and CSV), the beyond-the-boundary counts and the figures under out_dir. Returns the per-run results."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    runs = [(name, seed) for seed in seeds for name in METHODS]
+    runs = [(name, seed) for seed in seeds for name in methods]
     work = [([*METHODS[name], "--seed", str(seed), "--no-eval-before", *(QUICK if quick else FULL), *extra],
              str(out / f"{slug(name)}-s{seed}"), str(out / f"{slug(name)}-s{seed}.log")) for name, seed in runs]
     t0 = time.time()
@@ -83,12 +84,13 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
     wall = time.time() - t0
     warm = warm_boundary(out, warmstart_dir(extra), BOUNDARY_TASKS_QUICK if quick else BOUNDARY_TASKS, seeds[0], jobs)
     results = {run: json.loads((Path(w[1]) / "results.json").read_text()) for run, w in zip(runs, work)}
-    command = ["python -m extras.compare"] + (["--quick"] if quick else []) + ["--seeds", *map(str, seeds), "--jobs",
-                                                                               str(jobs), *extra]
-    write_report(results, warm, seeds, out, wall, " ".join(command), curve_table(out, seeds, warm[0]["p@1"]))
+    subset = ["--methods", *(f'"{m}"' if " " in m else m for m in methods)] if list(methods) != list(METHODS) else []
+    command = ["python -m extras.compare", *(["--quick"] if quick else []), "--seeds", *map(str, seeds), *subset,
+               "--jobs", str(jobs), "--out", out_dir, *extra]
+    write_report(results, warm, seeds, out, wall, " ".join(command), curve_table(out, seeds, warm[0]["p@1"], methods))
     try:
         plot_curves(out, seeds, warm[0]["p@1"])
-        plot_heatmap(out / f"rti-s{seeds[0]}" / "model", out / "fig7_weighted_ratio.png", seed=seeds[0])
+        plot_heatmap(warmstart_dir(extra), out / "fig7_weighted_ratio.png", seed=seeds[0])   # every run's step 1
     except ImportError:
         print("matplotlib is not installed: no figures (pip install matplotlib)")
     return results
@@ -113,26 +115,30 @@ def warm_boundary(out: Path, init: str, n_tasks: int, seed: int, threads: int) -
     return warm
 
 
+def methods_of(results: dict) -> list[str]:
+    return list(dict.fromkeys(name for name, _ in results))   # in the order they were run
+
+
 def boundary(results: dict, warm_tasks: list[list[bool]], seeds: list[int]) -> tuple[int, dict[str, float]]:
     """The test tasks the warm-started policy never solves in its 16 samples, and the share of them each trained
     policy solves at least once in its evaluation samples (averaged over seeds)."""
     never = [i for i, s in enumerate(warm_tasks) if not any(s)]
     out = {}
-    for name in METHODS:
+    for name in methods_of(results):
         shares = [100.0 * sum(any(results[(name, s)]["after_tasks"][i]) for i in never) / len(never)
                   for s in seeds if never]
         out[name] = sum(shares) / len(shares) if shares else float("nan")
     return len(never), out
 
 
-def curve_table(out: Path, seeds: list[int], start_p1: float) -> list[str]:
+def curve_table(out: Path, seeds: list[int], start_p1: float, methods: list[str] = tuple(METHODS)) -> list[str]:
     """Test p@1 at every evaluation, mean over seeds (and each seed's RTI - GRPO gap), as markdown lines."""
     p1 = {(name, s): {0: start_p1, **per_step(read_jsonl(out / f"{slug(name)}-s{s}" / "metrics.jsonl"), "test/p@1")}
-          for name in METHODS for s in seeds}
+          for name in methods for s in seeds}
     steps = sorted(set.intersection(*(set(v) for v in p1.values())))
     lines = ["| test p@1 at step | " + " | ".join(map(str, steps)) + " |", "| --- |" + " --- |" * len(steps)]
     lines += [f"| {name} | " + " | ".join(f"{sum(p1[(name, s)][t] for s in seeds) / len(seeds):.2f}" for t in steps)
-              + " |" for name in METHODS]
+              + " |" for name in methods]
     lines += [f"| RTI - GRPO, seed {s} | " + " | ".join(f"{p1[('RTI', s)][t] - p1[('GRPO', s)][t]:+.2f}"
                                                       for t in steps) + " |" for s in seeds]
     return lines
@@ -145,7 +151,7 @@ def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float,
     rows, spread, csv = {}, {}, ["method,seed," + ",".join(keys)]
     warm_summary, warm_tasks = warm
     rows[f"warm start ({BOUNDARY_SAMPLES} samples)"] = warm_summary
-    for name in METHODS:
+    for name in methods_of(results):
         per_seed = [results[(name, s)]["after"] for s in seeds]
         rows[name] = {k: mean_std([r[k] for r in per_seed])[0] for k in keys}
         spread[name] = mean_std([r["p@1"] for r in per_seed])[1]
@@ -159,7 +165,7 @@ def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float,
              f"{BOUNDARY_SAMPLES} samples; the last column is the share of them a trained policy solves in its "
              f"evaluation samples (mean over seeds).", "",
              "| method | p@1 std over seeds | solves never-solved tasks (%) |", "| --- | --- | --- |"]
-    lines += [f"| {n} | {spread[n]:.2f} | {never[n]:.1f} |" for n in METHODS]
+    lines += [f"| {n} | {spread[n]:.2f} | {never[n]:.1f} |" for n in methods_of(results)]
     lines += ["", f"RTI minus GRPO p@1 per seed: {', '.join(f'{g:+.2f}' for g in gap)} "
                   f"(mean {sum(gap) / len(gap):+.2f})"]
     if curves:
@@ -234,7 +240,8 @@ def plot_curves(out, seeds: list[int], start_p1: float | None = None) -> None:
 def plot_heatmap(model_dir, png, seed: int = 0) -> None:
     """fig7 (the paper's Figure 7): the calibrated weighted ratio rho_t * w_t on the agent tokens of one intervened
     trajectory as a second mini-batch would see it (`--mini-batches 2`): pi_old scored, then one AdamW step on the
-    rest of its batch, then rho_t = pi / pi_old. Beside it, the naive ratio pi_old / mu on the intervened tokens."""
+    rest of its batch, then rho_t = pi / pi_old. Beside it, the naive ratio pi_old / mu on the intervened tokens.
+    Drawn from the warm start (a run's first step): a trained model seldom fails a whole group, so it has none."""
     plt = pyplot()
     from matplotlib.colors import TwoSlopeNorm
     model, tok = rti.load_model(str(model_dir))
@@ -246,6 +253,7 @@ def plot_heatmap(model_dir, png, seed: int = 0) -> None:
         if j is not None:
             break
     else:
+        print(f"fig7 not drawn: {model_dir} failed no whole group in train tasks 0-599")
         return
     traj, old = trajs[j], torch.tensor(policy.score([trajs[j].ids]))
     adv = loss.advantages_by_group(torch.tensor([t.reward for t in trajs]), [t.group for t in trajs])
@@ -287,11 +295,15 @@ def main(argv=None) -> None:
                                 description="GRPO vs RTI vs its three ablations from the same warm start (Table 3)")
     p.add_argument("--quick", action="store_true", help="4 steps of 4 tasks, 30 test tasks: a smoke run, 1.5 minutes")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), metavar="NAME",
+                   help=f"a subset of {list(METHODS)}, GRPO and RTI among them (quote names with spaces)")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each")
     p.add_argument("--out", default="results")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed on to every `python rti.py` run (after --)")
     args = p.parse_args(argv)
-    compare(args.seeds, args.out, args.quick, args.jobs, [a for a in args.extra if a != "--"])
+    if not {"GRPO", "RTI"} <= set(args.methods):
+        p.error("--methods: must include GRPO and RTI (the report compares them)")
+    compare(args.seeds, args.out, args.quick, args.jobs, [a for a in args.extra if a != "--"], args.methods)
 
 
 if __name__ == "__main__":

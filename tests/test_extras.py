@@ -50,6 +50,18 @@ def test_report_writes_the_table_and_the_gap(tmp_path):
     assert len(csv) == 1 + 2 * len(compare.METHODS) and csv[0].startswith("method,seed,p@1")
 
 
+def test_a_subset_of_methods_reports_only_those(tmp_path):
+    results = {(name, 0): {"after": {k: 10.0 + 20 * (name == "RTI") for k, _ in compare.COLUMNS},
+                           "after_tasks": [[False] * 4]} for name in ("GRPO", "RTI")}
+    warm = ({k: 5.0 for k, _ in compare.COLUMNS}, [[False] * 16])
+    compare.write_report(results, warm, [0], tmp_path, 1.0, "python -m extras.compare --seeds 0 --methods GRPO RTI")
+    md = (tmp_path / "compare.md").read_text()
+    assert "| RTI | 30.00 |" in md and "w/o" not in md and "+20.00" in md
+    assert len((tmp_path / "compare.csv").read_text().splitlines()) == 3
+    with pytest.raises(SystemExit):   # a report without GRPO has no gap to give
+        compare.main(["--methods", "RTI", "RTI w/o verifier"])
+
+
 def test_curve_table_gives_each_evaluation_and_each_seeds_gap(tmp_path):
     p1 = {"GRPO": {0: [10, 12], 1: [11, 9]}, "RTI": {0: [30, 40], 1: [20, 35]}}   # test p@1 at steps 8 and 16
     for name in compare.METHODS:
