@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -87,7 +88,9 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
     subset = ["--methods", *(f'"{m}"' if " " in m else m for m in methods)] if list(methods) != list(METHODS) else []
     command = ["python -m extras.compare", *(["--quick"] if quick else []), "--seeds", *map(str, seeds), *subset,
                "--jobs", str(jobs), "--out", out_dir, *extra]
-    write_report(results, warm, seeds, out, wall, " ".join(command), curve_table(out, seeds, warm[0]["p@1"], methods))
+    write_report(results, warm, seeds, out, wall, " ".join(command), curve_table(out, seeds, warm[0]["p@1"], methods),
+                 mechanics_table(out, seeds) + ["", training_minutes(out, seeds, methods), "",
+                                                corrections_written(warmstart_dir(extra), seeds[0])])
     try:
         plot_curves(out, seeds, warm[0]["p@1"])
         plot_heatmap(warmstart_dir(extra), out / "fig7_weighted_ratio.png", seed=seeds[0])   # every run's step 1
@@ -144,8 +147,58 @@ def curve_table(out: Path, seeds: list[int], start_p1: float, methods: list[str]
     return lines
 
 
+MECHANICS = [   # (row label, method, metrics key, scale): what the update saw, step by step
+    ("train success, sampled (%)", "GRPO", "train_success", 100), ("train success, sampled (%)", "RTI",
+                                                                    "train_success", 100),
+    ("train success after intervention (%)", "RTI", "train_success_after_rti", 100),
+    ("groups triggered (%)", "RTI", "rti/trigger_rate", 100),
+    ("trained rows a step", "GRPO", "trained_rows", 1), ("trained rows a step", "RTI", "trained_rows", 1),
+    ("intervened share of trained tokens (%)", "RTI", "intervened_frac", 100),
+    ("intervened ratio, mean of step means", "RTI", "intervened/ratio_mean", 1),
+    ("intervened ratio, mean of step maxima", "RTI", "intervened/ratio_max", 1),
+    ("intervened tokens clipped (%)", "RTI", "intervened/clip_frac", 100),
+    ("policy tokens clipped (%)", "GRPO", "policy/clip_frac", 100),
+    ("policy tokens clipped (%)", "RTI", "policy/clip_frac", 100),
+    ("token weight, mean of step maxima", "RTI", "weight_max", 1)]
+
+
+def mechanics_table(out: Path, seeds: list[int], block: int = 8) -> list[str]:
+    """MECHANICS' metrics averaged over each block of `block` steps and over seeds (a step without the metric sits
+    out, and so does a step with no intervened token from the intervened tokens' ratios and the token weights),
+    plus GRPO's sampled train success per seed, as markdown lines."""
+    logs = {(name, s): read_jsonl(out / f"{slug(name)}-s{s}" / "metrics.jsonl") for name in ("GRPO", "RTI")
+            for s in seeds}
+    last = max(r["step"] for rows in logs.values() for r in rows)
+    blocks = [(a, min(a + block - 1, last)) for a in range(1, last + 1, block)]
+
+    def cell(runs: list[dict[int, float]], scale: float, lo: int, hi: int) -> str:
+        vals = [v for r in runs for t, v in r.items() if lo <= t <= hi]
+        return f"{scale * sum(vals) / len(vals):.2f}" if vals else "-"
+
+    def values(rows: list[dict], key: str) -> dict[int, float]:   # the loss gives ratio 1 and weight 1 to a step
+        intervened_only = key.startswith(("intervened/", "weight_"))   # with no intervened token: it sits out here
+        frac = per_step(rows, "intervened_frac")
+        return {t: v for t, v in per_step(rows, key).items() if not intervened_only or frac.get(t, 0) > 0}
+
+    specs = [(f"{name} {label}", [values(logs[(name, s)], key) for s in seeds], scale)
+             for label, name, key, scale in MECHANICS]
+    specs += [(f"GRPO train success, sampled (%), seed {s}", [per_step(logs[("GRPO", s)], "train_success")], 100)
+              for s in seeds]
+    lines = ["| steps | " + " | ".join(f"{a}-{b}" for a, b in blocks) + " |", "| --- |" + " --- |" * len(blocks)]
+    return lines + [f"| {label} | " + " | ".join(cell(runs, scale, a, b) for a, b in blocks) + " |"
+                    for label, runs, scale in specs]
+
+
+def training_minutes(out: Path, seeds: list[int], methods) -> str:
+    """Each method's training time a run (the sum of its step times, evaluations left out), mean over seeds."""
+    mins = {name: sum(sum(r.get("time/step", 0) for r in read_jsonl(out / f"{slug(name)}-s{s}" / "metrics.jsonl"))
+                      for s in seeds) / len(seeds) / 60 for name in methods}
+    return "Training time a run (sum of step times, mean over seeds; evaluations not counted): " + ", ".join(
+        f"{name} {m:.1f} min" for name, m in mins.items())
+
+
 def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float, command: str,
-                 curves: list[str] = ()) -> None:
+                 curves: list[str] = (), mechanics: list[str] = ()) -> None:
     """compare.md (with `curves`, curve_table's lines, if given), compare.csv."""
     keys = [k for k, _ in COLUMNS]
     rows, spread, csv = {}, {}, ["method,seed," + ",".join(keys)]
@@ -165,12 +218,15 @@ def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float,
              f"{BOUNDARY_SAMPLES} samples; the last column is the share of them a trained policy solves in its "
              f"evaluation samples (mean over seeds).", "",
              "| method | p@1 std over seeds | solves never-solved tasks (%) |", "| --- | --- | --- |"]
-    lines += [f"| {n} | {spread[n]:.2f} | {never[n]:.1f} |" for n in methods_of(results)]
+    lines += [f"| {n} | {spread[n]:.2f} | {never[n]:.1f} |" if len(seeds) > 1 else f"| {n} | - | {never[n]:.1f} |"
+              for n in methods_of(results)]
     lines += ["", f"RTI minus GRPO p@1 per seed: {', '.join(f'{g:+.2f}' for g in gap)} "
                   f"(mean {sum(gap) / len(gap):+.2f})"]
     if curves:
         lines += ["", "Test p@1 over training, mean over seeds (step 0: the warm start, 16 samples a task; then the "
                       "runs' 4):", "", *curves]
+    if mechanics:
+        lines += ["", "What the update saw, mean over seeds and over each block of steps:", "", *mechanics]
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     (out / "compare.csv").write_text("\n".join(csv) + "\n")
     print("\n".join(lines))
@@ -235,6 +291,27 @@ def plot_curves(out, seeds: list[int], start_p1: float | None = None) -> None:
     fig.tight_layout()
     fig.savefig(out / "fig5_correction_ppl.png", dpi=120)
     plt.close(fig)
+
+
+def rewritten_actions(trajs: list) -> Counter:
+    """The actions the corrector wrote (the turns whose tokens are INTERVENED) in the intervened trajectories of a
+    batch, by action word: `route` (the tool call), `move` (back onto the held route), `finish`."""
+    return Counter(a.split()[0] if a.split() else "(empty)" for t in trajs if t.intervention
+                   for (start, _), a in zip(t.turns, t.actions) if t.source[start] == loss.INTERVENED)
+
+
+def corrections_written(model_dir, seed: int = 0, n_tasks: int = 32) -> str:
+    """What the corrections teach: rewritten_actions of the corrections RTI keeps on one batch of the first n_tasks
+    train tasks x 8 from `model_dir` (default RTIConfig), as a report line."""
+    model, tok = rti.load_model(str(model_dir))
+    policy = rti.Sampler(model, tok, seed=seed)
+    trajs, _ = intervene.intervene_batch(policy, rti.rollout(policy, envs.make_tasks("train")[:n_tasks], 8, seed),
+                                         intervene.RTIConfig(), policy.make_env)
+    words = rewritten_actions(trajs)
+    n = sum(words.values())
+    return (f"What the corrections write (`compare.corrections_written`): on the first {n_tasks} train tasks x 8 "
+            f"from {model_dir}, RTI keeps {sum(1 for t in trajs if t.intervention)} corrected trajectories with {n} "
+            f"rewritten turns: " + ", ".join(f"{w} {c} ({100 * c / max(1, n):.1f}%)" for w, c in words.most_common()))
 
 
 def plot_heatmap(model_dir, png, seed: int = 0) -> None:

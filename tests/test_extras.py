@@ -78,6 +78,41 @@ def test_curve_table_gives_each_evaluation_and_each_seeds_gap(tmp_path):
     assert "| RTI - GRPO, seed 1 | +0.00 | +9.00 | +26.00 |" in lines
 
 
+def test_mechanics_table_averages_each_block_over_steps_and_seeds(tmp_path):
+    logs = {("grpo", 0): [{"step": 1, "train_success": 0.0, "trained_rows": 0}, {"step": 2, "train_success": 0.5},
+                          {"step": 3, "train_success": 1.0, "trained_rows": 16}],
+            ("grpo", 1): [{"step": 1, "train_success": 0.25}, {"step": 2, "train_success": 0.25},
+                          {"step": 3, "train_success": 0.0}],
+            ("rti", 0): [{"step": 1, "rti/trigger_rate": 1.0, "intervened/clip_frac": 0.5, "intervened_frac": 0.1},
+                         {"step": 2, "rti/trigger_rate": 0.5, "intervened/clip_frac": float("nan")},
+                         {"step": 3, "rti/trigger_rate": 0.0, "intervened/clip_frac": 0.0, "intervened_frac": 0}],
+            ("rti", 1): [{"step": 1, "rti/trigger_rate": 0.5}, {"step": 2, "rti/trigger_rate": 0.0},
+                         {"step": 3, "rti/trigger_rate": 0.0}]}
+    for (name, s), rows in logs.items():
+        (tmp_path / f"{name}-s{s}").mkdir()
+        (tmp_path / f"{name}-s{s}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = compare.mechanics_table(tmp_path, [0, 1], block=2)
+    assert lines[0] == "| steps | 1-2 | 3-3 |"
+    assert "| GRPO train success, sampled (%) | 25.00 | 50.00 |" in lines   # (0 + 50 + 25 + 25) / 4, (100 + 0) / 2
+    assert "| RTI groups triggered (%) | 50.00 | 0.00 |" in lines          # (100 + 50 + 50 + 0) / 4
+    assert "| RTI intervened tokens clipped (%) | 50.00 | - |" in lines   # NaN steps and those without intervened
+                                                                         # tokens sit out
+    assert "| GRPO trained rows a step | 0.00 | 16.00 |" in lines
+    assert "| GRPO train success, sampled (%), seed 1 | 25.00 | 0.00 |" in lines
+
+
+def test_rewritten_actions_counts_the_corrected_turns_of_intervened_trajectories():
+    from loss import INTERVENED, POLICY
+
+    class T:
+        def __init__(self, turns, actions, source, intervention):
+            self.turns, self.actions, self.source, self.intervention = turns, actions, source, intervention
+    corrected = T([(0, 2), (2, 4), (4, 5)], ["move up", "route", "finish"],
+                  [POLICY, POLICY, INTERVENED, INTERVENED, INTERVENED], {"corrections": 2})
+    original = T([(0, 2)], ["route"], [INTERVENED, INTERVENED], None)   # not intervened: not counted
+    assert compare.rewritten_actions([corrected, original]) == {"route": 1, "finish": 1}
+
+
 def test_a_rerun_comparison_keeps_finished_runs_and_resumes_the_others(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(compare.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
