@@ -83,37 +83,47 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
     with ThreadPoolExecutor(jobs) as pool:
         list(pool.map(run_one, work))
     wall = time.time() - t0
-    warm = warm_boundary(out, warmstart_dir(extra), BOUNDARY_TASKS_QUICK if quick else BOUNDARY_TASKS, seeds[0], jobs)
+    init, split = flag(extra, "--init", rti.WARMSTART_DIR), flag(extra, "--test-split", "test")
+    warm = warm_boundary(out, init, split, BOUNDARY_TASKS_QUICK if quick else BOUNDARY_TASKS, seeds[0], jobs)
     results = {run: json.loads((Path(w[1]) / "results.json").read_text()) for run, w in zip(runs, work)}
+    logs = read_logs(out, methods, seeds)
     subset = ["--methods", *(f'"{m}"' if " " in m else m for m in methods)] if list(methods) != list(METHODS) else []
     command = ["python -m extras.compare", *(["--quick"] if quick else []), "--seeds", *map(str, seeds), *subset,
-               "--jobs", str(jobs), "--out", out_dir, *extra]
-    write_report(results, warm, seeds, out, wall, " ".join(command), curve_table(out, seeds, warm[0]["p@1"], methods),
-                 mechanics_table(out, seeds) + ["", training_minutes(out, seeds, methods), "",
-                                                corrections_written(warmstart_dir(extra), seeds[0])])
+               "--jobs", str(jobs), "--out", out_dir, *(["--", *extra] if extra else [])]
+    policy, batch = warm_batch(init, seeds[0])   # one warm-start batch for what the corrections write, and fig7
+    write_report(results, warm, seeds, out, wall, " ".join(command), curve_table(logs, seeds, warm[0]["p@1"], methods),
+                 mechanics_table(logs, seeds) + ["", training_minutes(logs, seeds, methods), "",
+                                                 corrections_written(batch, init)], split)
     try:
-        plot_curves(out, seeds, warm[0]["p@1"])
-        plot_heatmap(warmstart_dir(extra), out / "fig7_weighted_ratio.png", seed=seeds[0])   # every run's step 1
+        plot_curves(logs, out, seeds, warm[0]["p@1"])
+        plot_heatmap(policy, batch, out / "fig7_weighted_ratio.png")
     except ImportError:
         print("matplotlib is not installed: no figures (pip install matplotlib)")
     return results
 
 
-def warmstart_dir(extra: list[str]) -> str:
-    return extra[extra.index("--init") + 1] if "--init" in extra else rti.WARMSTART_DIR
+def flag(extra: list[str], name: str, default: str) -> str:
+    """The value of `name` among the flags passed on to the runs, else the runs' default."""
+    return extra[extra.index(name) + 1] if name in extra else default
 
 
-def warm_boundary(out: Path, init: str, n_tasks: int, seed: int, threads: int) -> tuple[dict, list[list[bool]]]:
-    """The warm start on the first n_tasks test tasks, BOUNDARY_SAMPLES samples each: (summary, per-task successes),
-    kept in warm_start.json so that a resumed comparison does not sample them again."""
-    path = out / "warm_start.json"
+def read_logs(out: Path, methods, seeds: list[int]) -> dict[tuple[str, int], list[dict]]:
+    """Every run's metrics.jsonl, read once for the report's tables and figures."""
+    return {(name, s): read_jsonl(out / f"{slug(name)}-s{s}" / "metrics.jsonl") for name in methods for s in seeds}
+
+
+def warm_boundary(out: Path, init: str, split: str, n_tasks: int, seed: int,
+                  threads: int) -> tuple[dict, list[list[bool]]]:
+    """The warm start on the first n_tasks tasks of `split` (the runs' --test-split), BOUNDARY_SAMPLES samples each:
+    (summary, per-task successes), kept in warm_start_SPLIT.json so that a resumed comparison does not sample them
+    again."""
+    path, tasks = out / f"warm_start_{split}.json", envs.env_tasks("navigation", split)[:n_tasks]
     cached = json.loads(path.read_text()) if path.exists() else None
-    if cached and len(cached[1]) == n_tasks:
+    if cached and len(cached[1]) == len(tasks):
         return tuple(cached)
     torch.set_num_threads(threads)
     model, tok = rti.load_model(init)
-    warm = rti.evaluate_policy(rti.Sampler(model, tok, seed=seed), envs.make_tasks("test")[:n_tasks],
-                               BOUNDARY_SAMPLES, seed=seed, per_task=True)
+    warm = rti.evaluate_policy(rti.Sampler(model, tok, seed=seed), tasks, BOUNDARY_SAMPLES, seed=seed, per_task=True)
     path.write_text(json.dumps(warm))
     return warm
 
@@ -134,10 +144,10 @@ def boundary(results: dict, warm_tasks: list[list[bool]], seeds: list[int]) -> t
     return len(never), out
 
 
-def curve_table(out: Path, seeds: list[int], start_p1: float, methods: list[str] = tuple(METHODS)) -> list[str]:
-    """Test p@1 at every evaluation, mean over seeds (and each seed's RTI - GRPO gap), as markdown lines."""
-    p1 = {(name, s): {0: start_p1, **per_step(read_jsonl(out / f"{slug(name)}-s{s}" / "metrics.jsonl"), "test/p@1")}
-          for name in methods for s in seeds}
+def curve_table(logs: dict, seeds: list[int], start_p1: float, methods: list[str] = tuple(METHODS)) -> list[str]:
+    """Test p@1 at every evaluation, mean over seeds (and each seed's RTI - GRPO gap), as markdown lines; `logs`:
+    read_logs'."""
+    p1 = {(name, s): {0: start_p1, **per_step(logs[(name, s)], "test/p@1")} for name in methods for s in seeds}
     steps = sorted(set.intersection(*(set(v) for v in p1.values())))
     lines = ["| test p@1 at step | " + " | ".join(map(str, steps)) + " |", "| --- |" + " --- |" * len(steps)]
     lines += [f"| {name} | " + " | ".join(f"{sum(p1[(name, s)][t] for s in seeds) / len(seeds):.2f}" for t in steps)
@@ -162,12 +172,10 @@ MECHANICS = [   # (row label, method, metrics key, scale): what the update saw, 
     ("token weight, mean of step maxima", "RTI", "weight_max", 1)]
 
 
-def mechanics_table(out: Path, seeds: list[int], block: int = 8) -> list[str]:
+def mechanics_table(logs: dict, seeds: list[int], block: int = 8) -> list[str]:
     """MECHANICS' metrics averaged over each block of `block` steps and over seeds (a step without the metric sits
     out, and so does a step with no intervened token from the intervened tokens' ratios and the token weights),
-    plus GRPO's sampled train success per seed, as markdown lines."""
-    logs = {(name, s): read_jsonl(out / f"{slug(name)}-s{s}" / "metrics.jsonl") for name in ("GRPO", "RTI")
-            for s in seeds}
+    plus GRPO's sampled train success per seed, as markdown lines; `logs`: read_logs'."""
     last = max(r["step"] for rows in logs.values() for r in rows)
     blocks = [(a, min(a + block - 1, last)) for a in range(1, last + 1, block)]
 
@@ -189,17 +197,17 @@ def mechanics_table(out: Path, seeds: list[int], block: int = 8) -> list[str]:
                     for label, runs, scale in specs]
 
 
-def training_minutes(out: Path, seeds: list[int], methods) -> str:
+def training_minutes(logs: dict, seeds: list[int], methods) -> str:
     """Each method's training time a run (the sum of its step times, evaluations left out), mean over seeds."""
-    mins = {name: sum(sum(r.get("time/step", 0) for r in read_jsonl(out / f"{slug(name)}-s{s}" / "metrics.jsonl"))
-                      for s in seeds) / len(seeds) / 60 for name in methods}
+    mins = {name: sum(sum(r.get("time/step", 0) for r in logs[(name, s)]) for s in seeds) / len(seeds) / 60
+            for name in methods}
     return "Training time a run (sum of step times, mean over seeds; evaluations not counted): " + ", ".join(
         f"{name} {m:.1f} min" for name, m in mins.items())
 
 
 def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float, command: str,
-                 curves: list[str] = (), mechanics: list[str] = ()) -> None:
-    """compare.md (with `curves`, curve_table's lines, if given), compare.csv."""
+                 curves: list[str] = (), mechanics: list[str] = (), split: str = "test") -> None:
+    """compare.md (with `curves`, curve_table's lines, if given), compare.csv; `split`: the runs' --test-split."""
     keys = [k for k, _ in COLUMNS]
     rows, spread, csv = {}, {}, ["method,seed," + ",".join(keys)]
     warm_summary, warm_tasks = warm
@@ -214,7 +222,7 @@ def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float,
     lines = [f"Command: `{command}` ({len(seeds)} seeds; this invocation {wall / 60:.1f} min, a resumed one counts "
              f"only its own part)", "",
              format_table(rows), "",
-             f"Beyond the boundary: {n_never} of {len(warm_tasks)} test tasks are never solved by the warm start in "
+             f"Beyond the boundary: {n_never} of {len(warm_tasks)} {split} tasks are never solved by the warm start in "
              f"{BOUNDARY_SAMPLES} samples; the last column is the share of them a trained policy solves in its "
              f"evaluation samples (mean over seeds).", "",
              "| method | p@1 std over seeds | solves never-solved tasks (%) |", "| --- | --- | --- |"]
@@ -223,8 +231,8 @@ def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float,
     lines += ["", f"RTI minus GRPO p@1 per seed: {', '.join(f'{g:+.2f}' for g in gap)} "
                   f"(mean {sum(gap) / len(gap):+.2f})"]
     if curves:
-        lines += ["", "Test p@1 over training, mean over seeds (step 0: the warm start, 16 samples a task; then the "
-                      "runs' 4):", "", *curves]
+        lines += ["", f"p@1 on {split} over training, mean over seeds (step 0: the warm start, 16 samples a task; "
+                      "then the runs' 4):", "", *curves]
     if mechanics:
         lines += ["", "What the update saw, mean over seeds and over each block of steps:", "", *mechanics]
     (out / "compare.md").write_text("\n".join(lines) + "\n")
@@ -257,13 +265,12 @@ def band(ax, runs: list[dict[int, float]], label: str, style: str = "-", smooth:
     ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols], color=line.get_color(), alpha=0.15)
 
 
-def plot_curves(out, seeds: list[int], start_p1: float | None = None) -> None:
+def plot_curves(logs: dict, out, seeds: list[int], start_p1: float | None = None) -> None:
     """fig6 (the paper's Figure 6): train success and test p@1 against step, GRPO vs RTI, mean over seeds with their
     spread, test p@1 from the warm start's `start_p1` at step 0, and the share of RTI's groups that triggered an
-    intervention; fig5 (Figure 5): perplexity of the corrections the gate kept vs dropped over training."""
+    intervention; fig5 (Figure 5): perplexity of the corrections the gate kept vs dropped over training; `logs`:
+    read_logs'."""
     plt = pyplot()
-    logs = {(name, s): read_jsonl(out / f"{slug(name)}-s{s}" / "metrics.jsonl")
-            for name in ("GRPO", "RTI") for s in seeds}
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(14, 3.6))
     for name in ("GRPO", "RTI"):
         runs = [logs[(name, s)] for s in seeds]
@@ -300,37 +307,38 @@ def rewritten_actions(trajs: list) -> Counter:
                    for (start, _), a in zip(t.turns, t.actions) if t.source[start] == loss.INTERVENED)
 
 
-def corrections_written(model_dir, seed: int = 0, n_tasks: int = 32) -> str:
-    """What the corrections teach: rewritten_actions of the corrections RTI keeps on one batch of the first n_tasks
-    train tasks x 8 from `model_dir` (default RTIConfig), as a report line."""
+def warm_batch(model_dir, seed: int = 0, n_tasks: int = 32) -> tuple:
+    """(policy, batch): one rollout of the first n_tasks train tasks x 8 from `model_dir`, intervened with the default
+    RTIConfig. From the warm start (a run's first step): a trained model seldom fails a whole group."""
     model, tok = rti.load_model(str(model_dir))
     policy = rti.Sampler(model, tok, seed=seed)
-    trajs, _ = intervene.intervene_batch(policy, rti.rollout(policy, envs.make_tasks("train")[:n_tasks], 8, seed),
+    batch, _ = intervene.intervene_batch(policy, rti.rollout(policy, envs.make_tasks("train")[:n_tasks], 8, seed),
                                          intervene.RTIConfig(), policy.make_env)
-    words = rewritten_actions(trajs)
+    return policy, batch
+
+
+def corrections_written(batch: list, source: str) -> str:
+    """What the corrections teach: rewritten_actions of the corrections RTI kept in warm_batch's `batch` (sampled
+    from `source`), as a report line."""
+    words = rewritten_actions(batch)
     n = sum(words.values())
-    return (f"What the corrections write (`compare.corrections_written`): on the first {n_tasks} train tasks x 8 "
-            f"from {model_dir}, RTI keeps {sum(1 for t in trajs if t.intervention)} corrected trajectories with {n} "
-            f"rewritten turns: " + ", ".join(f"{w} {c} ({100 * c / max(1, n):.1f}%)" for w, c in words.most_common()))
+    return (f"What the corrections write (`compare.corrections_written`): on {len({t.group for t in batch})} train "
+            f"tasks x 8 from {source}, RTI keeps {sum(1 for t in batch if t.intervention)} corrected trajectories "
+            f"with {n} rewritten turns: " + ", ".join(f"{w} {c} ({100 * c / max(1, n):.1f}%)"
+                                                       for w, c in words.most_common()))
 
 
-def plot_heatmap(model_dir, png, seed: int = 0) -> None:
+def plot_heatmap(policy, trajs: list, png) -> None:
     """fig7 (the paper's Figure 7): the calibrated weighted ratio rho_t * w_t on the agent tokens of one intervened
-    trajectory as a second mini-batch would see it (`--mini-batches 2`): pi_old scored, then one AdamW step on the
-    rest of its batch, then rho_t = pi / pi_old. Beside it, the naive ratio pi_old / mu on the intervened tokens.
-    Drawn from the warm start (a run's first step): a trained model seldom fails a whole group, so it has none."""
+    trajectory of `trajs` (warm_batch's) as a second mini-batch would see it (`--mini-batches 2`): pi_old scored,
+    then one AdamW step of `policy` on the rest of its batch, then rho_t = pi / pi_old. Beside it, the naive ratio
+    pi_old / mu on the intervened tokens."""
     plt = pyplot()
     from matplotlib.colors import TwoSlopeNorm
-    model, tok = rti.load_model(str(model_dir))
-    policy, cfg = rti.Sampler(model, tok, seed=seed), rti.make_config(mini_batches=1)   # the first of two steps
-    for i in range(0, 600, 8):
-        trajs, _ = intervene.intervene_batch(policy, rti.rollout(policy, envs.make_tasks("train")[i:i + 8], 8),
-                                             intervene.RTIConfig(ppl_gate=False), policy.make_env)
-        j = next((j for j, t in enumerate(trajs) if t.intervention and loss.INTERVENED in t.source), None)
-        if j is not None:
-            break
-    else:
-        print(f"fig7 not drawn: {model_dir} failed no whole group in train tasks 0-599")
+    model, tok, cfg = policy.model, policy.tok, rti.make_config(mini_batches=1)   # the first of two steps
+    j = next((j for j, t in enumerate(trajs) if t.intervention and loss.INTERVENED in t.source), None)
+    if j is None:
+        print("fig7 not drawn: the batch has no intervened trajectory")
         return
     traj, old = trajs[j], torch.tensor(policy.score([trajs[j].ids]))
     adv = loss.advantages_by_group(torch.tensor([t.reward for t in trajs]), [t.group for t in trajs])

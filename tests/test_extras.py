@@ -72,26 +72,23 @@ def test_curve_table_gives_each_evaluation_and_each_seeds_gap(tmp_path):
             rows = [{"step": 8, "train_success": 0.1, "test/p@1": vals[0]}, {"step": 9, "train_success": 0.2},
                     {"step": 16, "test/p@1": vals[1]}]
             (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    lines = compare.curve_table(tmp_path, [0, 1], 5.0)
+    lines = compare.curve_table(compare.read_logs(tmp_path, compare.METHODS, [0, 1]), [0, 1], 5.0)
     assert lines[0] == "| test p@1 at step | 0 | 8 | 16 |"
     assert "| GRPO | 5.00 | 10.50 | 10.50 |" in lines and "| RTI | 5.00 | 25.00 | 37.50 |" in lines
     assert "| RTI - GRPO, seed 1 | +0.00 | +9.00 | +26.00 |" in lines
 
 
-def test_mechanics_table_averages_each_block_over_steps_and_seeds(tmp_path):
-    logs = {("grpo", 0): [{"step": 1, "train_success": 0.0, "trained_rows": 0}, {"step": 2, "train_success": 0.5},
+def test_mechanics_table_averages_each_block_over_steps_and_seeds():
+    logs = {("GRPO", 0): [{"step": 1, "train_success": 0.0, "trained_rows": 0}, {"step": 2, "train_success": 0.5},
                           {"step": 3, "train_success": 1.0, "trained_rows": 16}],
-            ("grpo", 1): [{"step": 1, "train_success": 0.25}, {"step": 2, "train_success": 0.25},
+            ("GRPO", 1): [{"step": 1, "train_success": 0.25}, {"step": 2, "train_success": 0.25},
                           {"step": 3, "train_success": 0.0}],
-            ("rti", 0): [{"step": 1, "rti/trigger_rate": 1.0, "intervened/clip_frac": 0.5, "intervened_frac": 0.1},
+            ("RTI", 0): [{"step": 1, "rti/trigger_rate": 1.0, "intervened/clip_frac": 0.5, "intervened_frac": 0.1},
                          {"step": 2, "rti/trigger_rate": 0.5, "intervened/clip_frac": float("nan")},
                          {"step": 3, "rti/trigger_rate": 0.0, "intervened/clip_frac": 0.0, "intervened_frac": 0}],
-            ("rti", 1): [{"step": 1, "rti/trigger_rate": 0.5}, {"step": 2, "rti/trigger_rate": 0.0},
+            ("RTI", 1): [{"step": 1, "rti/trigger_rate": 0.5}, {"step": 2, "rti/trigger_rate": 0.0},
                          {"step": 3, "rti/trigger_rate": 0.0}]}
-    for (name, s), rows in logs.items():
-        (tmp_path / f"{name}-s{s}").mkdir()
-        (tmp_path / f"{name}-s{s}" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    lines = compare.mechanics_table(tmp_path, [0, 1], block=2)
+    lines = compare.mechanics_table(logs, [0, 1], block=2)
     assert lines[0] == "| steps | 1-2 | 3-3 |"
     assert "| GRPO train success, sampled (%) | 25.00 | 50.00 |" in lines   # (0 + 50 + 25 + 25) / 4, (100 + 0) / 2
     assert "| RTI groups triggered (%) | 50.00 | 0.00 |" in lines          # (100 + 50 + 50 + 0) / 4
@@ -128,10 +125,11 @@ def test_a_rerun_comparison_keeps_finished_runs_and_resumes_the_others(tmp_path,
 
 def test_the_warm_start_boundary_is_sampled_once(tmp_path):
     warm = [{"p@1": 12.5}, [[True] * 16, [False] * 16]]
-    (tmp_path / "warm_start.json").write_text(json.dumps(warm))
-    assert list(compare.warm_boundary(tmp_path, "no/such/model", 2, 0, 1)) == warm   # read back, no model loaded
-    with pytest.raises(FileNotFoundError):   # another number of tasks: sampled again, from the model
-        compare.warm_boundary(tmp_path, "no/such/model", 3, 0, 1)
+    (tmp_path / "warm_start_val.json").write_text(json.dumps(warm))
+    assert list(compare.warm_boundary(tmp_path, "no/such/model", "val", 2, 0, 1)) == warm   # read back, no model
+    for split, n in (("val", 3), ("test", 2)):   # another number of tasks or split: sampled again, from the model
+        with pytest.raises(FileNotFoundError):
+            compare.warm_boundary(tmp_path, "no/such/model", split, n, 0, 1)
 
 
 @pytest.mark.slow
@@ -144,3 +142,18 @@ def test_quick_comparison_end_to_end(tmp_path):
         assert f"| {name} |" in md
     assert "RTI minus GRPO p@1 per seed:" in md
     assert len((tmp_path / "compare.csv").read_text().splitlines()) == 1 + len(compare.METHODS)
+
+
+def test_one_warm_start_batch_gives_the_corrections_line_and_fig7(tmp_path):
+    policy, batch = compare.warm_batch(compare.rti.WARMSTART_DIR, seed=0, n_tasks=8)
+    assert any(t.intervention for t in batch)   # the warm start fails whole groups on ~70% of train tasks
+    line = compare.corrections_written(batch, "the warm start")
+    words = compare.rewritten_actions(batch)
+    assert f"on 8 train tasks x 8 from the warm start, RTI keeps {sum(1 for t in batch if t.intervention)} " in line
+    assert f"with {sum(words.values())} rewritten turns" in line
+    try:
+        compare.pyplot()
+    except ImportError:
+        return   # matplotlib is optional: the line above is all a report without it gets
+    compare.plot_heatmap(policy, batch, tmp_path / "fig7.png")
+    assert (tmp_path / "fig7.png").stat().st_size > 0
