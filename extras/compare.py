@@ -95,7 +95,7 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
                  mechanics_table(logs, seeds) + ["", training_minutes(logs, seeds, methods), "",
                                                  corrections_written(batch, init)], split)
     try:
-        plot_curves(logs, out, seeds, warm[0]["p@1"])
+        plot_curves(logs, out, seeds, warm[0]["p@1"], split)
         plot_heatmap(policy, batch, out / "fig7_weighted_ratio.png")
     except ImportError:
         print("matplotlib is not installed: no figures (pip install matplotlib)")
@@ -149,7 +149,7 @@ def curve_table(logs: dict, seeds: list[int], start_p1: float, methods: list[str
     read_logs'."""
     p1 = {(name, s): {0: start_p1, **per_step(logs[(name, s)], "test/p@1")} for name in methods for s in seeds}
     steps = sorted(set.intersection(*(set(v) for v in p1.values())))
-    lines = ["| test p@1 at step | " + " | ".join(map(str, steps)) + " |", "| --- |" + " --- |" * len(steps)]
+    lines = ["| p@1 at step | " + " | ".join(map(str, steps)) + " |", "| --- |" + " --- |" * len(steps)]
     lines += [f"| {name} | " + " | ".join(f"{sum(p1[(name, s)][t] for s in seeds) / len(seeds):.2f}" for t in steps)
               + " |" for name in methods]
     lines += [f"| RTI - GRPO, seed {s} | " + " | ".join(f"{p1[('RTI', s)][t] - p1[('GRPO', s)][t]:+.2f}"
@@ -265,9 +265,9 @@ def band(ax, runs: list[dict[int, float]], label: str, style: str = "-", smooth:
     ax.fill_between(steps, [min(c) for c in cols], [max(c) for c in cols], color=line.get_color(), alpha=0.15)
 
 
-def plot_curves(logs: dict, out, seeds: list[int], start_p1: float | None = None) -> None:
+def plot_curves(logs: dict, out, seeds: list[int], start_p1: float | None = None, split: str = "test") -> None:
     """fig6 (the paper's Figure 6): train success and test p@1 against step, GRPO vs RTI, mean over seeds with their
-    spread, test p@1 from the warm start's `start_p1` at step 0, and the share of RTI's groups that triggered an
+    spread, p@1 on `split` from the warm start's `start_p1` at step 0, and the share of RTI's groups that triggered an
     intervention; fig5 (Figure 5): perplexity of the corrections the gate kept vs dropped over training; `logs`:
     read_logs'."""
     plt = pyplot()
@@ -284,7 +284,7 @@ def plot_curves(logs: dict, out, seeds: list[int], start_p1: float | None = None
         start = {0: start_p1} if start_p1 is not None else {}
         band(b, [{**start, **per_step(r, "test/p@1")} for r in runs], name, "o-")
     a.set(xlabel="step", ylabel="train success (%)", title="training rollouts (4-step mean)")
-    b.set(xlabel="step", ylabel="test p@1", title=f"test split (mean, spread over {len(seeds)} seeds)")
+    b.set(xlabel="step", ylabel=f"{split} p@1", title=f"{split} split (mean, spread over {len(seeds)} seeds)")
     c.set(xlabel="step", ylabel="groups triggered (%)", title="groups with no success: intervened (4-step mean)")
     a.legend(), b.legend()
     fig.tight_layout()

@@ -73,7 +73,7 @@ def test_curve_table_gives_each_evaluation_and_each_seeds_gap(tmp_path):
                     {"step": 16, "test/p@1": vals[1]}]
             (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines = compare.curve_table(compare.read_logs(tmp_path, compare.METHODS, [0, 1]), [0, 1], 5.0)
-    assert lines[0] == "| test p@1 at step | 0 | 8 | 16 |"
+    assert lines[0] == "| p@1 at step | 0 | 8 | 16 |"
     assert "| GRPO | 5.00 | 10.50 | 10.50 |" in lines and "| RTI | 5.00 | 25.00 | 37.50 |" in lines
     assert "| RTI - GRPO, seed 1 | +0.00 | +9.00 | +26.00 |" in lines
 
