@@ -74,6 +74,7 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
             methods: list[str] = tuple(METHODS)) -> dict:
     """Train each of `methods` (names of METHODS) for every seed from the same warm start, then write the table
     (markdown and CSV), the beyond-the-boundary counts and the figures under out_dir. Returns the per-run results."""
+    run_cfg = rti.parse_args(extra)[2]   # the runs' flags, checked (a bad one exits) before any run starts
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs = [(name, seed) for seed in seeds for name in methods]
@@ -83,7 +84,7 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
     with ThreadPoolExecutor(jobs) as pool:
         list(pool.map(run_one, work))
     wall = time.time() - t0
-    init, split = flag(extra, "--init", rti.WARMSTART_DIR), flag(extra, "--test-split", "test")
+    init, split = run_cfg.init, run_cfg.test_split
     warm = warm_boundary(out, init, split, BOUNDARY_TASKS_QUICK if quick else BOUNDARY_TASKS, seeds[0], jobs)
     results = {run: json.loads((Path(w[1]) / "results.json").read_text()) for run, w in zip(runs, work)}
     logs = read_logs(out, methods, seeds)
@@ -100,11 +101,6 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
     except ImportError:
         print("matplotlib is not installed: no figures (pip install matplotlib)")
     return results
-
-
-def flag(extra: list[str], name: str, default: str) -> str:
-    """The value of `name` among the flags passed on to the runs, else the runs' default."""
-    return extra[extra.index(name) + 1] if name in extra else default
 
 
 def read_logs(out: Path, methods, seeds: list[int]) -> dict[tuple[str, int], list[dict]]:
