@@ -20,7 +20,8 @@ from loss import advantages_by_group
 def bench(model_dir: str, tasks: int = 8, group: int = 8, repeats: int = 3, threads: int = 1, seed: int = 0) -> None:
     """Side-by-side timings on one machine, alternating so that drift hits both sides:
     rollout throughput batched (B x G episodes in lockstep) vs one episode at a time on the same tasks, and one
-    training step of GRPO vs RTI (both group modes) from the same sampled batch and the same weights."""
+    training step of GRPO vs RTI (both group modes) from the same sampled batch and the same weights, split into the
+    intervention and the update (whose cost follows the tokens it trains: RTI makes all-fail groups learnable)."""
     torch.set_num_threads(threads)
     model, tok = rti.load_model(model_dir)
     batch_tasks = envs.make_tasks("train")[:tasks]
@@ -43,7 +44,7 @@ def bench(model_dir: str, tasks: int = 8, group: int = 8, repeats: int = 3, thre
     ratio = sorted(b[0] / s[0] for b, s in zip(rates["batched"], rates["one at a time"]))[len(rates["batched"]) // 2]
     print(f"  batched / one at a time: {ratio:.1f}x episodes per second")
 
-    times = {"grpo": [], "replace": [], "paired": []}
+    times, parts = {"grpo": [], "replace": [], "paired": []}, {"grpo": [], "replace": [], "paired": []}
     for r in range(repeats):
         policy = rti.Sampler(model, tok, seed=seed + r)
         trajs = rti.rollout(policy, batch_tasks, group)
@@ -55,12 +56,19 @@ def bench(model_dir: str, tasks: int = 8, group: int = 8, repeats: int = 3, thre
             if method != "grpo":
                 mode = dataclasses.replace(cfg.rti, group_mode=method)
                 batch, _ = intervene.intervene_batch(p, batch, mode, p.make_env)
+            t1 = time.perf_counter()
             adv = advantages_by_group(torch.tensor([t.reward for t in batch]), [t.group for t in batch])
             keep = [i for i in range(len(batch)) if adv[i] != 0]
             if keep:
                 rti.update(p, opt, [batch[i] for i in keep], adv[keep], cfg)
             times[method].append(time.perf_counter() - t0)
+            parts[method].append((t1 - t0, time.perf_counter() - t1, sum(len(batch[i].ids) for i in keep)))
     med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
+    print(f"where the after-sampling time goes, mean of {repeats}: intervention / update on the trained tokens")
+    for m, xs in parts.items():
+        inter, upd, toks = (sum(x[k] for x in xs) / len(xs) for k in range(3))
+        print(f"  {m:8s} intervention {inter:6.2f} s   update {upd:6.2f} s on {toks:6.0f} tokens "
+              f"({1000 * upd / max(1, toks):.2f} ms a token)")
     roll = sorted(x[2] for x in rates["batched"])[len(rates["batched"]) // 2]
     for name, t in (("after-sampling step time on the same batch", med), ("whole step with the batched rollout",
                                                                          {m: v + roll for m, v in med.items()})):

@@ -91,15 +91,18 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
     subset = ["--methods", *(f'"{m}"' if " " in m else m for m in methods)] if list(methods) != list(METHODS) else []
     command = ["python -m extras.compare", *(["--quick"] if quick else []), "--seeds", *map(str, seeds), *subset,
                "--jobs", str(jobs), "--out", out_dir, *(["--", *extra] if extra else [])]
+    curves, minutes = curve_table(logs, seeds, warm[0]["p@1"], methods), training_minutes(logs, seeds, methods)
+    if not paired(methods):   # a subset such as the ablations on more seeds: their table and curves
+        write_report(results, warm, seeds, out, wall, " ".join(command), curves, [minutes], split)
+        return results
     policy, batch = warm_batch(init, seeds[0])   # one warm-start batch for what the corrections write, and fig7
-    write_report(results, warm, seeds, out, wall, " ".join(command), curve_table(logs, seeds, warm[0]["p@1"], methods),
-                 mechanics_table(logs, seeds) + ["", training_minutes(logs, seeds, methods), "",
-                                                 corrections_written(batch, init)], split)
+    write_report(results, warm, seeds, out, wall, " ".join(command), curves,
+                 mechanics_table(logs, seeds) + ["", minutes, "", corrections_written(batch, init)], split)
     try:
         plot_curves(logs, out, seeds, warm[0]["p@1"], split)
         plot_heatmap(policy, batch, out / "fig7_weighted_ratio.png")
     except ImportError:
-        print("matplotlib is not installed: no figures (pip install matplotlib)")
+        print("matplotlib is not installed: no figures (pip install -r requirements-plots.txt)")
     return results
 
 
@@ -122,6 +125,11 @@ def warm_boundary(out: Path, init: str, split: str, n_tasks: int, seed: int,
     warm = rti.evaluate_policy(rti.Sampler(model, tok, seed=seed), tasks, BOUNDARY_SAMPLES, seed=seed, per_task=True)
     path.write_text(json.dumps(warm))
     return warm
+
+
+def paired(methods) -> bool:
+    """Whether `methods` hold GRPO and RTI both: the report's gaps, mechanics and figures compare the two."""
+    return {"GRPO", "RTI"} <= set(methods)
 
 
 def methods_of(results: dict) -> list[str]:
@@ -149,7 +157,7 @@ def curve_table(logs: dict, seeds: list[int], start_p1: float, methods: list[str
     lines += [f"| {name} | " + " | ".join(f"{sum(p1[(name, s)][t] for s in seeds) / len(seeds):.2f}" for t in steps)
               + " |" for name in methods]
     lines += [f"| RTI - GRPO, seed {s} | " + " | ".join(f"{p1[('RTI', s)][t] - p1[('GRPO', s)][t]:+.2f}"
-                                                      for t in steps) + " |" for s in seeds]
+                                                      for t in steps) + " |" for s in seeds if paired(methods)]
     return lines
 
 
@@ -214,7 +222,8 @@ def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float,
         spread[name] = mean_std([r["p@1"] for r in per_seed])[1]
         csv += [f"{name},{s}," + ",".join(f"{r[k]:.2f}" for k in keys) for s, r in zip(seeds, per_seed)]
     n_never, never = boundary(results, warm_tasks, seeds)
-    gap = [results[("RTI", s)]["after"]["p@1"] - results[("GRPO", s)]["after"]["p@1"] for s in seeds]
+    gap = [results[("RTI", s)]["after"]["p@1"] - results[("GRPO", s)]["after"]["p@1"] for s in seeds
+           if paired(methods_of(results))]
     lines = [f"Command: `{command}` ({len(seeds)} seeds; this invocation {wall / 60:.1f} min, a resumed one counts "
              f"only its own part)", "",
              format_table(rows), "",
@@ -225,7 +234,7 @@ def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float,
     lines += [f"| {n} | {spread[n]:.2f} | {never[n]:.1f} |" if len(seeds) > 1 else f"| {n} | - | {never[n]:.1f} |"
               for n in methods_of(results)]
     lines += ["", f"RTI minus GRPO p@1 per seed: {', '.join(f'{g:+.2f}' for g in gap)} "
-                  f"(mean {sum(gap) / len(gap):+.2f})"]
+                  f"(mean {sum(gap) / len(gap):+.2f})"] if gap else []
     if curves:
         lines += ["", f"p@1 on {split} over training, mean over seeds (step 0: the warm start, 16 samples a task; "
                       "then the runs' 4):", "", *curves]
@@ -377,13 +386,12 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="4 steps of 4 tasks, 30 test tasks: a smoke run, 1.5 minutes")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), metavar="NAME",
-                   help=f"a subset of {list(METHODS)}, GRPO and RTI among them (quote names with spaces)")
+                   help=f"a subset of {list(METHODS)} (quote names with spaces); without GRPO and RTI both, "
+                        "the report is the table and the curves")
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each")
     p.add_argument("--out", default="results")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed on to every `python rti.py` run (after --)")
     args = p.parse_args(argv)
-    if not {"GRPO", "RTI"} <= set(args.methods):
-        p.error("--methods: must include GRPO and RTI (the report compares them)")
     compare(args.seeds, args.out, args.quick, args.jobs, [a for a in args.extra if a != "--"], args.methods)
 
 

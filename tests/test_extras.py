@@ -58,8 +58,11 @@ def test_a_subset_of_methods_reports_only_those(tmp_path):
     md = (tmp_path / "compare.md").read_text()
     assert "| RTI | 30.00 |" in md and "w/o" not in md and "+20.00" in md
     assert len((tmp_path / "compare.csv").read_text().splitlines()) == 3
-    with pytest.raises(SystemExit):   # a report without GRPO has no gap to give
-        compare.main(["--methods", "RTI", "RTI w/o verifier"])
+    ablations = {(name, 0): {"after": {k: 40.0 for k, _ in compare.COLUMNS}, "after_tasks": [[True] * 4]}
+                 for name in ("RTI w/o verifier", "RTI w/o reweight")}   # the ablations alone: no gap to give
+    compare.write_report(ablations, warm, [0], tmp_path, 1.0, "python -m extras.compare --seeds 0 --methods ...")
+    md = (tmp_path / "compare.md").read_text()
+    assert "| RTI w/o reweight | 40.00 |" in md and "| GRPO |" not in md and "RTI minus GRPO" not in md
 
 
 def test_curve_table_gives_each_evaluation_and_each_seeds_gap(tmp_path):
@@ -76,6 +79,9 @@ def test_curve_table_gives_each_evaluation_and_each_seeds_gap(tmp_path):
     assert lines[0] == "| p@1 at step | 0 | 8 | 16 |"
     assert "| GRPO | 5.00 | 10.50 | 10.50 |" in lines and "| RTI | 5.00 | 25.00 | 37.50 |" in lines
     assert "| RTI - GRPO, seed 1 | +0.00 | +9.00 | +26.00 |" in lines
+    lines = compare.curve_table(compare.read_logs(tmp_path, ["RTI w/o verifier"], [0, 1]), [0, 1], 5.0,
+                                ["RTI w/o verifier"])
+    assert lines[2] == "| RTI w/o verifier | 5.00 | 25.00 | 37.50 |" and len(lines) == 3   # no gap rows
 
 
 def test_mechanics_table_averages_each_block_over_steps_and_seeds():
