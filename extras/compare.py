@@ -93,7 +93,7 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
                "--jobs", str(jobs), "--out", out_dir, *(["--", *extra] if extra else [])]
     curves, minutes = curve_table(logs, seeds, warm[0]["p@1"], methods), training_minutes(logs, seeds, methods)
     if not paired(methods):   # a subset such as the ablations on more seeds: their table and curves
-        write_report(results, warm, seeds, out, wall, " ".join(command), curves, [minutes], split)
+        write_report(results, warm, seeds, out, wall, " ".join(command), curves + ["", minutes], split=split)
         return results
     policy, batch = warm_batch(init, seeds[0])   # one warm-start batch for what the corrections write, and fig7
     write_report(results, warm, seeds, out, wall, " ".join(command), curves,
