@@ -92,7 +92,7 @@ def compare(seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[
     command = ["python -m extras.compare", *(["--quick"] if quick else []), "--seeds", *map(str, seeds), *subset,
                "--jobs", str(jobs), "--out", out_dir, *(["--", *extra] if extra else [])]
     curves, minutes = curve_table(logs, seeds, warm[0]["p@1"], methods), training_minutes(logs, seeds, methods)
-    if not paired(methods):   # a subset such as the ablations on more seeds: their table and curves
+    if not has_grpo_and_rti(methods):   # a subset such as the ablations on more seeds: their table and curves
         write_report(results, warm, seeds, out, wall, " ".join(command), curves + ["", minutes], split=split)
         return results
     policy, batch = warm_batch(init, seeds[0])   # one warm-start batch for what the corrections write, and fig7
@@ -127,7 +127,7 @@ def warm_boundary(out: Path, init: str, split: str, n_tasks: int, seed: int,
     return warm
 
 
-def paired(methods) -> bool:
+def has_grpo_and_rti(methods) -> bool:
     """Whether `methods` hold GRPO and RTI both: the report's gaps, mechanics and figures compare the two."""
     return {"GRPO", "RTI"} <= set(methods)
 
@@ -156,8 +156,9 @@ def curve_table(logs: dict, seeds: list[int], start_p1: float, methods: list[str
     lines = ["| p@1 at step | " + " | ".join(map(str, steps)) + " |", "| --- |" + " --- |" * len(steps)]
     lines += [f"| {name} | " + " | ".join(f"{sum(p1[(name, s)][t] for s in seeds) / len(seeds):.2f}" for t in steps)
               + " |" for name in methods]
+    gap_seeds = seeds if has_grpo_and_rti(methods) else []
     lines += [f"| RTI - GRPO, seed {s} | " + " | ".join(f"{p1[('RTI', s)][t] - p1[('GRPO', s)][t]:+.2f}"
-                                                      for t in steps) + " |" for s in seeds if paired(methods)]
+                                                      for t in steps) + " |" for s in gap_seeds]
     return lines
 
 
@@ -223,7 +224,7 @@ def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float,
         csv += [f"{name},{s}," + ",".join(f"{r[k]:.2f}" for k in keys) for s, r in zip(seeds, per_seed)]
     n_never, never = boundary(results, warm_tasks, seeds)
     gap = [results[("RTI", s)]["after"]["p@1"] - results[("GRPO", s)]["after"]["p@1"] for s in seeds
-           if paired(methods_of(results))]
+           if has_grpo_and_rti(methods_of(results))]
     lines = [f"Command: `{command}` ({len(seeds)} seeds; this invocation {wall / 60:.1f} min, a resumed one counts "
              f"only its own part)", "",
              format_table(rows), "",
