@@ -44,11 +44,11 @@ def bench(model_dir: str, tasks: int = 8, group: int = 8, repeats: int = 3, thre
     ratio = sorted(b[0] / s[0] for b, s in zip(rates["batched"], rates["one at a time"]))[len(rates["batched"]) // 2]
     print(f"  batched / one at a time: {ratio:.1f}x episodes per second")
 
-    times, parts = {"grpo": [], "replace": [], "paired": []}, {"grpo": [], "replace": [], "paired": []}
+    parts = {"grpo": [], "replace": [], "paired": []}   # (intervention s, update s, trained tokens) per repeat
     for r in range(repeats):
         policy = rti.Sampler(model, tok, seed=seed + r)
         trajs = rti.rollout(policy, batch_tasks, group)
-        for method in times:
+        for method in parts:
             p = rti.Sampler(copy.deepcopy(model), tok, seed=seed + r)
             opt = torch.optim.AdamW(p.model.parameters(), lr=cfg.lr)
             t0 = time.perf_counter()
@@ -61,9 +61,8 @@ def bench(model_dir: str, tasks: int = 8, group: int = 8, repeats: int = 3, thre
             keep = [i for i in range(len(batch)) if adv[i] != 0]
             if keep:
                 rti.update(p, opt, [batch[i] for i in keep], adv[keep], cfg)
-            times[method].append(time.perf_counter() - t0)
             parts[method].append((t1 - t0, time.perf_counter() - t1, sum(len(batch[i].ids) for i in keep)))
-    med = {m: sorted(v)[len(v) // 2] for m, v in times.items()}
+    med = {m: sorted(a + u for a, u, _ in v)[len(v) // 2] for m, v in parts.items()}
     print(f"where the after-sampling time goes, mean of {repeats}: intervention / update on the trained tokens")
     for m, xs in parts.items():
         inter, upd, toks = (sum(x[k] for x in xs) / len(xs) for k in range(3))

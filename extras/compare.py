@@ -224,7 +224,7 @@ def write_report(results: dict, warm: tuple, seeds: list[int], out, wall: float,
         csv += [f"{name},{s}," + ",".join(f"{r[k]:.2f}" for k in keys) for s, r in zip(seeds, per_seed)]
     n_never, never = boundary(results, warm_tasks, seeds)
     gap = [results[("RTI", s)]["after"]["p@1"] - results[("GRPO", s)]["after"]["p@1"] for s in seeds
-           if has_grpo_and_rti(methods_of(results))]
+           ] if has_grpo_and_rti(methods_of(results)) else []
     lines = [f"Command: `{command}` ({len(seeds)} seeds; this invocation {wall / 60:.1f} min, a resumed one counts "
              f"only its own part)", "",
              format_table(rows), "",
