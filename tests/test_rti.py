@@ -134,6 +134,18 @@ def test_sampling_logprobs_equal_rescoring(tiny):
                 assert abs(t.sample_logp[i] - lp[i]) < 1e-3
 
 
+def test_padding_changes_no_real_tokens_logprob(tiny):
+    """token_logprobs runs without an attention mask: scoring rows of unequal length together, whatever the pad id
+    (here one of the rows' own tokens), gives each row's log-probs alone."""
+    model, _ = tiny
+    seqs = [[5, 9, 7, 11, 6, 8, 12], [5, 9, 8], [5, 10, 7, 7, 9]]
+    alone = [rti.token_logprobs(model, [s], 0, 0.7, "cpu")[0] for s in seqs]
+    for pad_id in (0, 7):
+        together = rti.token_logprobs(model, seqs, pad_id, 0.7, "cpu")
+        for row, s, lp in zip(together, seqs, alone):
+            assert torch.allclose(row[:len(s)], lp, atol=1e-5)
+
+
 def test_same_seed_same_trajectories(tiny):
     a = rti.rollout(make_policy(tiny, seed=5), easy_tasks(2), 2)
     b = rti.rollout(make_policy(tiny, seed=5), easy_tasks(2), 2)
