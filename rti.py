@@ -267,8 +267,7 @@ class DecodeSession:
 
     Rows grow independently: a call that feeds tokens to some rows pads the others with masked slots (holes), and
     position ids count only real tokens, so each row computes exactly what it would alone (tests check this).
-    `keep` drops finished rows; `retract` masks a row's latest tokens out again (intervene.py replaces a turn).
-    """
+    `keep` drops finished rows and packs out holes; `retract` masks a row's latest tokens out (to replace a turn)."""
 
     def __init__(self, model, prefixes: list[list[int]], pad_id: int, seeds: list[int] | None = None):
         self.model, self.pad_id, self.n = model, pad_id, len(prefixes)
@@ -325,19 +324,20 @@ class DecodeSession:
 
     @torch.no_grad()
     def keep(self, rows: list[int]) -> None:
-        """Keep only `rows`, renumbered: row rows[i] becomes row i. Cache columns that are holes in every kept row
-        go too, so finished episodes stop costing compute and memory."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
-        mask = self.mask[idx]
-        used = mask.any(0)
-        cols = used.nonzero().squeeze(-1)
+        """Keep only `rows`, renumbered: row rows[i] becomes row i, its real tokens packed to the left of the cache
+        (their keys carry their positions already), so finished episodes and holes stop costing compute and memory."""
+        idx, real = torch.tensor(rows, dtype=torch.long, device=self.mask.device), [self.real_slots[r] for r in rows]
         if any(self.cache.is_sliding):   # a sliding-window layer counts its columns: drop rows only
-            cols, used = torch.arange(mask.shape[1], device=idx.device), torch.ones_like(used)
+            self.mask, slots = self.mask[idx], [list(range(self.mask.shape[1]))] * len(rows)
+        else:
+            lens = torch.tensor([len(s) for s in real], dtype=torch.long, device=idx.device)
+            self.mask = (torch.arange(int(lens.max()) if rows else 0, device=idx.device)[None] < lens[:, None]).long()
+            slots, real = [s + [0] * (self.mask.shape[1] - len(s)) for s in real], [list(range(len(s))) for s in real]
+        cols = torch.tensor(slots, dtype=torch.long, device=idx.device).view(len(rows), self.mask.shape[1])
         for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[idx][:, :, cols], layer.values[idx][:, :, cols]
-        new_slot = (used.long().cumsum(0) - 1).tolist()
-        self.real_slots = [[new_slot[c] for c in self.real_slots[r]] for r in rows]
-        self.mask, self.length, self.last_logits = mask[:, cols], self.length[idx], self.last_logits[idx]
+            at = cols[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys[idx].gather(2, at), layer.values[idx].gather(2, at)
+        self.real_slots, self.length, self.last_logits = real, self.length[idx], self.last_logits[idx]
         self.gens = [self.gens[r] for r in rows]
         self.saved_logits = {i: self.saved_logits[r] for i, r in enumerate(rows) if r in self.saved_logits}
         self.n = len(rows)

@@ -86,6 +86,25 @@ def test_session_with_holes_matches_each_sequence_alone(tiny):
         assert torch.allclose(s.last_logits[i], ref, atol=1e-4)
 
 
+def test_keep_packs_out_holes(tiny):
+    """Rows fed in turn leave holes where the other row was fed; keep() packs each row's real tokens to the left, so
+    the cache is as wide as the longest row, and both rows still compute exactly what they would alone."""
+    model, tok = tiny
+    seqs, extra = [[5, 6, 7], [8, 9, 10]], [[11, 12, 13], [14, 15]]
+    s = rti.DecodeSession(model, seqs, tok.pad_token_id)
+    s.feed([0], [extra[0]])
+    s.feed([1], [extra[1]])
+    assert s.mask.shape == (2, 8)
+    s.keep([0, 1])
+    assert s.mask.tolist() == [[1] * 6, [1] * 5 + [0]] and s.real_slots == [list(range(6)), list(range(5))]
+    assert all(layer.keys.shape[2] == 6 for layer in s.cache.layers)
+    s.feed([0, 1], [[16], [17, 18]])
+    for row in (0, 1):
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([seqs[row] + extra[row] + [[16], [17, 18]][row]])).logits[0, -1]
+        assert torch.allclose(s.last_logits[row], ref, atol=1e-4)
+
+
 def test_keep_drops_rows_and_their_hole_columns(tiny):
     """After keep(), the kept rows compute exactly what they would alone, and columns only dropped rows used are gone."""
     model, tok = tiny
