@@ -198,8 +198,7 @@ class Chat:
     A training sequence is prompt_ids(first message) + [agent ids ... <eos>] + turn_ids(observation) + [agent ...] ...
     The agent's ids are kept exactly as sampled; only prompt and observation text is tokenized. Here an observation
     is a user message and an action is the turn's text (the tiny model); extras/chat_tools.py's ToolChat renders
-    templates that take tools (Qwen3): actions as tool calls, observations as tool messages.
-    """
+    templates that take tools (Qwen3): actions as tool calls, observations as tool messages."""
     MARK, REPLY = "\x00MSG\x00", "\x00REPLY\x00"
 
     def __init__(self, tok, env: str = "navigation"):
@@ -266,8 +265,9 @@ class DecodeSession:
     """N rows decoded in lockstep through one KV cache that is kept across turns.
 
     Rows grow independently: a call that feeds tokens to some rows pads the others with masked slots (holes), and
-    position ids count only real tokens, so each row computes exactly what it would alone (tests check this).
-    `keep` drops finished rows and packs out holes; `retract` masks a row's latest tokens out (to replace a turn)."""
+    position ids count only real tokens, so each row computes exactly what it would alone (tests check this), but
+    for a sliding-window layer, whose window counts holes too. `keep` drops finished rows and packs out holes;
+    `retract` masks a row's latest tokens out (to replace a turn)."""
 
     def __init__(self, model, prefixes: list[list[int]], pad_id: int, seeds: list[int] | None = None):
         self.model, self.pad_id, self.n = model, pad_id, len(prefixes)
@@ -327,20 +327,21 @@ class DecodeSession:
         """Keep only `rows`, renumbered: row rows[i] becomes row i, its real tokens packed to the left of the cache
         (their keys carry their positions already), so finished episodes and holes stop costing compute and memory."""
         idx, real = torch.tensor(rows, dtype=torch.long, device=self.mask.device), [self.real_slots[r] for r in rows]
-        if any(self.cache.is_sliding):   # a sliding-window layer counts its columns: drop rows only
-            self.mask, slots = self.mask[idx], [list(range(self.mask.shape[1]))] * len(rows)
+        if any(self.cache.is_sliding):   # a sliding-window layer keeps its last columns only: drop rows only
+            self.mask, cols = self.mask[idx], None
         else:
             lens = torch.tensor([len(s) for s in real], dtype=torch.long, device=idx.device)
             self.mask = (torch.arange(int(lens.max()) if rows else 0, device=idx.device)[None] < lens[:, None]).long()
-            slots, real = [s + [0] * (self.mask.shape[1] - len(s)) for s in real], [list(range(len(s))) for s in real]
-        cols = torch.tensor(slots, dtype=torch.long, device=idx.device).view(len(rows), self.mask.shape[1])
+            cols = pad_rows(real, 0, torch.long, idx.device) if rows else None
+            real = [list(range(len(s))) for s in real]
         for layer in self.cache.layers:
-            at = cols[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys, layer.values = layer.keys[idx].gather(2, at), layer.values[idx].gather(2, at)
+            layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+            if cols is not None:
+                at = cols[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+                layer.keys, layer.values = layer.keys.gather(2, at), layer.values.gather(2, at)
         self.real_slots, self.length, self.last_logits = real, self.length[idx], self.last_logits[idx]
-        self.gens = [self.gens[r] for r in rows]
+        self.gens, self.n = [self.gens[r] for r in rows], len(rows)
         self.saved_logits = {i: self.saved_logits[r] for i, r in enumerate(rows) if r in self.saved_logits}
-        self.n = len(rows)
 
     @torch.no_grad()
     def retract(self, row: int, n_tokens: int) -> None:
@@ -474,8 +475,7 @@ def rollout(sampler: Sampler, tasks: list, group_size: int, seed: int | None = N
     """Sample B x G multi-turn episodes in lockstep: one batched decoding pass per turn for all live episodes.
 
     The KV cache is kept across turns, so each turn feeds only the new observation tokens. Each episode samples
-    from its own stream (episode_seed); `seed` None draws one from sampler.gen.
-    """
+    from its own stream (episode_seed); `seed` None draws one from sampler.gen."""
     sampler.model.eval()
     if seed is None:
         seed = int(torch.randint(2**62, (1,), generator=sampler.gen, device=sampler.gen.device))

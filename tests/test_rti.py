@@ -105,6 +105,22 @@ def test_keep_packs_out_holes(tiny):
         assert torch.allclose(s.last_logits[row], ref, atol=1e-4)
 
 
+def test_keep_on_a_sliding_window_model_drops_rows_only():
+    """A sliding-window layer keeps only its last columns, so keep() must not gather columns there: it drops rows."""
+    torch.manual_seed(0)
+    model = rti.Qwen3ForCausalLM(rti.Qwen3Config(
+        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, use_sliding_window=True, sliding_window=4, max_window_layers=0)).eval()
+    s = rti.DecodeSession(model, [[5, 6, 7, 8, 9, 10], [11, 12]], 0)
+    s.feed([1], [[13, 14, 15]])
+    keys, logits = [layer.keys[1:].clone() for layer in s.cache.layers], s.last_logits[1].clone()
+    width = s.mask.shape[1]
+    s.keep([1])
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(s.cache.layers, keys)) and all(s.cache.is_sliding)
+    assert s.mask.shape == (1, width) and torch.equal(s.last_logits[0], logits)
+    s.feed([0], [[16]])   # decoding goes on
+
+
 def test_keep_drops_rows_and_their_hole_columns(tiny):
     """After keep(), the kept rows compute exactly what they would alone, and columns only dropped rows used are gone."""
     model, tok = tiny
