@@ -329,11 +329,9 @@ class DecodeSession:
         idx, real = torch.tensor(rows, dtype=torch.long, device=self.mask.device), [self.real_slots[r] for r in rows]
         if any(self.cache.is_sliding):   # a sliding-window layer keeps its last columns only: drop rows only
             self.mask, cols = self.mask[idx], None
-        else:
-            lens = torch.tensor([len(s) for s in real], dtype=torch.long, device=idx.device)
-            self.mask = (torch.arange(int(lens.max()) if rows else 0, device=idx.device)[None] < lens[:, None]).long()
-            cols = pad_rows(real, 0, torch.long, idx.device) if rows else None
-            real = [list(range(len(s))) for s in real]
+        else:                            # cols[i, j]: the slot of row i's j-th real token, -1 past its end
+            cols = pad_rows(real, -1, torch.long, idx.device)
+            self.mask, cols, real = (cols >= 0).long(), cols.clamp(min=0), [list(range(len(s))) for s in real]
         for layer in self.cache.layers:
             layer.keys, layer.values = layer.keys[idx], layer.values[idx]
             if cols is not None:
@@ -355,7 +353,7 @@ class DecodeSession:
 
 def pad_rows(rows: list[list], fill, dtype, device) -> torch.Tensor:
     """[N, T] tensor of right-padded rows, T = the longest row."""
-    out = torch.full((len(rows), max(len(r) for r in rows)), fill, dtype=dtype, device=device)
+    out = torch.full((len(rows), max(map(len, rows), default=0)), fill, dtype=dtype, device=device)
     for i, r in enumerate(rows):
         out[i, :len(r)] = torch.tensor(r, dtype=dtype, device=device)
     return out
