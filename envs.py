@@ -23,6 +23,7 @@ render and the split table; `python envs.py audit` the undecidable flagged steps
 `ENVS` at the end of the file is the one plug-in point between this core and the optional `extras/` folder: an env
 name maps to a class, or to "module:Class" imported on first use (the tau2-bench domains of extras/tau2.py).
 """
+
 from __future__ import annotations
 
 import abc
@@ -31,18 +32,34 @@ import random
 from collections import deque
 from dataclasses import dataclass, replace
 
-ACTIONS = ("move up", "move down", "move left", "move right", "route", "finish")  # fixed tool-call text
+ACTIONS = (
+    "move up",
+    "move down",
+    "move left",
+    "move right",
+    "route",
+    "finish",
+)  # fixed tool-call text
 MOVES = {"move up": (-1, 0), "move down": (1, 0), "move left": (0, -1), "move right": (0, 1)}
-LABELS = "ABCDEF"                  # waypoint labels, in visiting order
-MAX_NUMBER = 99                    # numbers 0..99 are words (coordinates, grid size, turn limit)
+LABELS = "ABCDEF"  # waypoint labels, in visiting order
+MAX_NUMBER = 99  # numbers 0..99 are words (coordinates, grid size, turn limit)
 RUBRIC_ITEMS = ("waypoints_in_order", "finished_at_goal", "no_wall_hits", "within_turn_limit")
-RULES = ("unknown", "wall", "detour", "repeat", "early", "stop", "over")  # first word of a step-check reason
+RULES = (
+    "unknown",
+    "wall",
+    "detour",
+    "repeat",
+    "early",
+    "stop",
+    "over",
+)  # first word of a step-check reason
 
 
 @dataclass(frozen=True)
 class StepCheck:
     """Verdict on a proposed action. `reason` is "" when valid; otherwise it starts with the rule name (one of RULES)
     and ends with the hint, e.g. 'wall move up hits a wall ; next A 3 1 do route'."""
+
     valid: bool
     reason: str = ""
 
@@ -50,6 +67,7 @@ class StepCheck:
 @dataclass
 class RubricResult:
     """Ordered rubric item name -> passed; `success` iff all pass, `fraction` the share that pass."""
+
     items: dict[str, bool]
 
     @property
@@ -66,11 +84,14 @@ class Env(abc.ABC):
 
     Attributes after reset(): `done` (bool), `turns` (actions taken), `actions` (their raw text), `observations` (the
     texts step() returned). Replayable: same task + same actions give the same observations."""
+
     done: bool
     turns: int
     actions: list[str]
-    observation_role: str | None = None   # chat role of the latest observation: None = the template's default (tool
-                                          # or user message); tau2 airline / retail set "user" for a user's reply
+    observation_role: str | None = (
+        None  # chat role of the latest observation: None = the template's default (tool
+    )
+    # or user message); tau2 airline / retail set "user" for a user's reply
 
     @abc.abstractmethod
     def reset(self) -> str:
@@ -128,6 +149,7 @@ class Env(abc.ABC):
 
 # ----------------------------------------------------------------------------- tasks
 
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -140,6 +162,7 @@ def _is_cell(x) -> bool:
 class NavTask:
     """One grid: walls, a start and waypoints A, B, ... to visit in order; JSON-serialisable (`asdict(task)`), cells
     are [row, col] lists. Validated on construction (ValueError)."""
+
     task_id: str
     height: int
     width: int
@@ -152,22 +175,35 @@ class NavTask:
         def need(ok, msg):
             if not ok:
                 raise ValueError(msg)
+
         need(isinstance(self.task_id, str), "task_id must be a string")
         for name in ("height", "width", "max_turns"):
             v = getattr(self, name)
             need(_is_int(v) and 1 <= v <= MAX_NUMBER, f"{name} must be an int in 1..{MAX_NUMBER}")
-        need(isinstance(self.walls, list) and all(map(_is_cell, self.walls)), "walls must be a list of [row, col]")
+        need(
+            isinstance(self.walls, list) and all(map(_is_cell, self.walls)),
+            "walls must be a list of [row, col]",
+        )
         need(_is_cell(self.start), "start must be [row, col]")
-        need(isinstance(self.waypoints, list) and 1 <= len(self.waypoints) <= len(LABELS)
-             and all(map(_is_cell, self.waypoints)), f"waypoints must be a list of 1..{len(LABELS)} [row, col]")
+        need(
+            isinstance(self.waypoints, list)
+            and 1 <= len(self.waypoints) <= len(LABELS)
+            and all(map(_is_cell, self.waypoints)),
+            f"waypoints must be a list of 1..{len(LABELS)} [row, col]",
+        )
         self.walls, self.start = [list(w) for w in self.walls], list(self.start)
         self.waypoints = [list(w) for w in self.waypoints]
         points = [self.start] + self.waypoints
         for cell in self.walls + points:
-            need(0 <= cell[0] < self.height and 0 <= cell[1] < self.width,
-                 f"cell {cell} is outside the {self.height}x{self.width} grid")
+            need(
+                0 <= cell[0] < self.height and 0 <= cell[1] < self.width,
+                f"cell {cell} is outside the {self.height}x{self.width} grid",
+            )
         need(not any(p in self.walls for p in points), "start or a waypoint is on a wall")
-        need(len({tuple(p) for p in points}) == len(points), "start and waypoints must be distinct cells")
+        need(
+            len({tuple(p) for p in points}) == len(points),
+            "start and waypoints must be distinct cells",
+        )
         for a, b in zip(points, points[1:]):
             need(tuple(a) in bfs_distances(self, b), f"waypoint {b} is unreachable from {a}")
 
@@ -181,7 +217,12 @@ def bfs_distances(task: NavTask, goal) -> dict[tuple[int, int], int]:
         r, c = queue.popleft()
         for dr, dc in MOVES.values():
             n = (r + dr, c + dc)
-            if 0 <= n[0] < task.height and 0 <= n[1] < task.width and n not in walls and n not in dist:
+            if (
+                0 <= n[0] < task.height
+                and 0 <= n[1] < task.width
+                and n not in walls
+                and n not in dist
+            ):
                 dist[n] = dist[(r, c)] + 1
                 queue.append(n)
     return dist
@@ -199,6 +240,7 @@ def optimal_actions(task: NavTask) -> list[str]:
 class SplitSpec:
     """How a split is generated: grid size, wall density, waypoint count range, size, seed, and the turn slack added
     to the oracle's action count (optimal moves, one `route` a leg, finish) to give max_turns."""
+
     height: int
     width: int
     density: float
@@ -207,7 +249,9 @@ class SplitSpec:
     n: int
     seed: int
     slack: int = 2
-    turn_cap: int = 48      # tasks whose max_turns would exceed it are redrawn: an episode fits 2,048 positions
+    turn_cap: int = (
+        48  # tasks whose max_turns would exceed it are redrawn: an episode fits 2,048 positions
+    )
 
 
 SPLITS = {  # easy: the warm start's; train / test: the hard distribution RL trains and is tested on
@@ -216,7 +260,10 @@ SPLITS = {  # easy: the warm start's; train / test: the hard distribution RL tra
     "test": SplitSpec(9, 9, 0.45, 4, 4, n=150, seed=3),
 }
 
-CARVED = {"fit": ("train", slice(0, 500)), "val": ("train", slice(500, 600))}   # validation carved from train
+CARVED = {
+    "fit": ("train", slice(0, 500)),
+    "val": ("train", slice(500, 600)),
+}  # validation carved from train
 
 
 def generate_task(spec: SplitSpec, rng: random.Random, task_id: str) -> NavTask:
@@ -230,8 +277,15 @@ def generate_task(spec: SplitSpec, rng: random.Random, task_id: str) -> NavTask:
             continue
         points = [list(p) for p in rng.sample(free, k + 1)]
         try:
-            task = NavTask(task_id, spec.height, spec.width, [list(w) for w in sorted(walls)],
-                           points[0], points[1:], MAX_NUMBER)
+            task = NavTask(
+                task_id,
+                spec.height,
+                spec.width,
+                [list(w) for w in sorted(walls)],
+                points[0],
+                points[1:],
+                MAX_NUMBER,
+            )
         except ValueError:  # some leg unreachable
             continue
         task.max_turns = len(optimal_actions(task)) + spec.slack
@@ -246,10 +300,14 @@ def make_tasks(split: str, n: int | None = None, seed: int | None = None) -> lis
         raise ValueError(f"unknown split {split!r}; choose from {list(SPLITS)}")
     spec = SPLITS[split]
     n, seed = spec.n if n is None else n, spec.seed if seed is None else seed
-    return [generate_task(spec, random.Random(seed * 1_000_003 + i), f"{split}-{i:04d}") for i in range(n)]
+    return [
+        generate_task(spec, random.Random(seed * 1_000_003 + i), f"{split}-{i:04d}")
+        for i in range(n)
+    ]
 
 
 # ----------------------------------------------------------------------------- environment
+
 
 def _cell_words(cell) -> str:
     return f"{cell[0]} {cell[1]}"
@@ -267,7 +325,10 @@ class Navigation(Env):
 
     def __init__(self, task: NavTask):
         self.task = task
-        self._walls, self._points = {tuple(w) for w in task.walls}, [tuple(w) for w in task.waypoints]
+        self._walls, self._points = (
+            {tuple(w) for w in task.walls},
+            [tuple(w) for w in task.waypoints],
+        )
         self._dist = {}  # goal cell -> BFS distance map, cached
         self.reset()
 
@@ -279,8 +340,11 @@ class Navigation(Env):
     def _blocked(self, pos, action) -> str:
         """'' if the move is possible, else 'wall' or 'grid'."""
         r, c = pos[0] + MOVES[action][0], pos[1] + MOVES[action][1]
-        return "grid" if not (0 <= r < self.task.height and 0 <= c < self.task.width) else (
-            "wall" if (r, c) in self._walls else "")
+        return (
+            "grid"
+            if not (0 <= r < self.task.height and 0 <= c < self.task.width)
+            else ("wall" if (r, c) in self._walls else "")
+        )
 
     def _at_end(self) -> bool:
         return self.visited == len(self._points) and self.pos == self._points[-1]
@@ -291,7 +355,11 @@ class Navigation(Env):
         if goal not in self._dist:
             self._dist[goal] = bfs_distances(self.task, goal)
         dist = self._dist[goal]
-        return [a for a, (dr, dc) in MOVES.items() if dist.get((pos[0] + dr, pos[1] + dc), -2) == dist[pos] - 1]
+        return [
+            a
+            for a, (dr, dc) in MOVES.items()
+            if dist.get((pos[0] + dr, pos[1] + dc), -2) == dist[pos] - 1
+        ]
 
     def _route(self) -> list[str]:
         """Directions of the first shortest path (ACTIONS order) from here to the current target."""
@@ -319,8 +387,10 @@ class Navigation(Env):
         self.done, self.turns, self.finished_at = False, 0, None
         self.actions, self.observations, self.path = [], [], [self.pos]
         plan = " then ".join(f"{LABELS[i]} {_cell_words(p)}" for i, p in enumerate(self._points))
-        return (f"visit {plan} then finish . grid {self.task.height} {self.task.width} . "
-                f"{self._state_words()}")
+        return (
+            f"visit {plan} then finish . grid {self.task.height} {self.task.width} . "
+            f"{self._state_words()}"
+        )
 
     def step(self, action: str) -> tuple[str, bool]:
         if self.done:  # not a turn, not recorded
@@ -340,7 +410,9 @@ class Navigation(Env):
                 prefix = "error hit wall " if hit == "wall" else "error off grid "
             else:
                 self.pos = (self.pos[0] + MOVES[a][0], self.pos[1] + MOVES[a][1])
-                self.route = self.route[1:] if self.route[:1] == [a.split()[1]] else []   # followed, or left
+                self.route = (
+                    self.route[1:] if self.route[:1] == [a.split()[1]] else []
+                )  # followed, or left
                 if self.visited < len(self._points) and self.pos == self._goal():
                     self.visited, self.route = self.visited + 1, []
         else:
@@ -355,12 +427,14 @@ class Navigation(Env):
 
     def score(self) -> RubricResult:
         finished = self.finished_at is not None
-        return RubricResult({
-            "waypoints_in_order": self.visited == len(self._points),
-            "finished_at_goal": finished and self._at_end(),
-            "no_wall_hits": self.wall_hits == 0,
-            "within_turn_limit": finished and self.turns <= self.task.max_turns,
-        })
+        return RubricResult(
+            {
+                "waypoints_in_order": self.visited == len(self._points),
+                "finished_at_goal": finished and self._at_end(),
+                "no_wall_hits": self.wall_hits == 0,
+                "within_turn_limit": finished and self.turns <= self.task.max_turns,
+            }
+        )
 
     def optimal_action(self) -> str:
         """The action the context determines: finish at the end, the held route's next move, else `route`."""
@@ -387,14 +461,19 @@ class Navigation(Env):
                 return StepCheck(True)
             why = f"stop {a} after visiting all waypoints"
         elif a == "finish":
-            why = ("early finish before visiting all waypoints" if self.visited < len(self._points)
-                   else f"early finish away from {LABELS[len(self._points) - 1]}")
+            why = (
+                "early finish before visiting all waypoints"
+                if self.visited < len(self._points)
+                else f"early finish away from {LABELS[len(self._points) - 1]}"
+            )
         elif a == "route":
             if not self.route:
                 return StepCheck(True)
             why = "repeat route is already held"
         elif self._blocked(self.pos, a):
-            why = f"wall {a} " + ("hits a wall" if self._blocked(self.pos, a) == "wall" else "leaves the grid")
+            why = f"wall {a} " + (
+                "hits a wall" if self._blocked(self.pos, a) == "wall" else "leaves the grid"
+            )
         elif self.route:
             if a == f"move {self.route[0]}":
                 return StepCheck(True)
@@ -407,8 +486,10 @@ class Navigation(Env):
 
     def rubric_text(self) -> str:
         plan = " then ".join(f"{LABELS[i]} {_cell_words(p)}" for i, p in enumerate(self._points))
-        return (f"rubric visit {plan} in order ; finish at {LABELS[len(self._points) - 1]} ; "
-                f"never move into a wall or off the grid ; finish within {self.task.max_turns} turns")
+        return (
+            f"rubric visit {plan} in order ; finish at {LABELS[len(self._points) - 1]} ; "
+            f"never move into a wall or off the grid ; finish within {self.task.max_turns} turns"
+        )
 
     @classmethod
     def splits(cls) -> list[str]:
@@ -417,14 +498,18 @@ class Navigation(Env):
     @classmethod
     def tasks(cls, split: str) -> list[NavTask]:
         """A split of SPLITS, or of CARVED (parts of train, to choose settings on without touching test)."""
-        return make_tasks(CARVED[split][0])[CARVED[split][1]] if split in CARVED else make_tasks(split)
+        return (
+            make_tasks(CARVED[split][0])[CARVED[split][1]] if split in CARVED else make_tasks(split)
+        )
 
     @classmethod
     def vocabulary(cls) -> list[str]:
-        words = (" ".join(ACTIONS) + " visit then grid pos next blocked none error hit wall off"
-                 " unknown action episode over out of turns at do rubric in order never into a or"
-                 " the within is not valid tool call detour on shortest path early before visiting"
-                 " all waypoints away from stop after leaves hits repeat already held ; .").split()
+        words = (
+            " ".join(ACTIONS) + " visit then grid pos next blocked none error hit wall off"
+            " unknown action episode over out of turns at do rubric in order never into a or"
+            " the within is not valid tool call detour on shortest path early before visiting"
+            " all waypoints away from stop after leaves hits repeat already held ; ."
+        ).split()
         words += list(LABELS) + [str(i) for i in range(MAX_NUMBER + 1)]
         return list(dict.fromkeys(words))  # ordered, no duplicates
 
@@ -457,14 +542,19 @@ def render(task: NavTask, path=None) -> str:
 
 # ----------------------------------------------------------------------------- audit: baselines and what a context shows
 
+
 def greedy_action(env: Navigation, rng: random.Random) -> str:
     """The learning-free walker (no tools, no map): finish at the end, else a random unblocked move that brings it
     closer (Manhattan) to its target, else a random unblocked move."""
     if env._at_end():
         return "finish"
     goal, free = env._goal(), [a for a in MOVES if not env._blocked(env.pos, a)]
-    closer = [a for a in free if abs(goal[0] - env.pos[0] - MOVES[a][0]) + abs(goal[1] - env.pos[1] - MOVES[a][1])
-              < abs(goal[0] - env.pos[0]) + abs(goal[1] - env.pos[1])]
+    closer = [
+        a
+        for a in free
+        if abs(goal[0] - env.pos[0] - MOVES[a][0]) + abs(goal[1] - env.pos[1] - MOVES[a][1])
+        < abs(goal[0] - env.pos[0]) + abs(goal[1] - env.pos[1])
+    ]
     return rng.choice(closer or free)
 
 
@@ -493,7 +583,9 @@ def undecidable_flags(tasks: list[NavTask], seed: int = 0) -> tuple[int, int]:
     for env in map(Navigation, tasks):
         text = env.reset()
         while not env.done:
-            action = rng.choice([env.optimal_action(), greedy_action(env, rng), rng.choice(ACTIONS + ("jump",))])
+            action = rng.choice(
+                [env.optimal_action(), greedy_action(env, rng), rng.choice(ACTIONS + ("jump",))]
+            )
             check = env.check_step(action)
             if not check.valid:
                 flagged += 1
@@ -504,7 +596,9 @@ def undecidable_flags(tasks: list[NavTask], seed: int = 0) -> tuple[int, int]:
 
 # ----------------------------------------------------------------------------- choosing an environment (plug-in point)
 
-ENVS: dict[str, type[Env] | str] = {   # name -> class, or "module:Class" of an optional env, imported on first use
+ENVS: dict[
+    str, type[Env] | str
+] = {  # name -> class, or "module:Class" of an optional env, imported on first use
     "navigation": Navigation,
     "tau2-telecom": "extras.tau2:Tau2Telecom",
     "tau2-airline": "extras.tau2:Tau2Airline",
@@ -528,22 +622,40 @@ def env_tasks(name: str, split: str) -> list:
     return env_class(name).tasks(split)
 
 
-if __name__ == "__main__":  # python envs.py [audit]: a sample task and the split table, or the audit
+if (
+    __name__ == "__main__"
+):  # python envs.py [audit]: a sample task and the split table, or the audit
     import sys
+
     if sys.argv[1:] == ["audit"]:
-        print("| split | flagged steps | undecidable | greedy walker p@1 | oracle (route + follow) p@1 |")
+        print(
+            "| split | flagged steps | undecidable | greedy walker p@1 | oracle (route + follow) p@1 |"
+        )
         for name in ("train", "val", "test"):
             tasks = Navigation.tasks(name)
-            (bad, flagged), oracle = undecidable_flags(tasks), pass_at_1(tasks, lambda env, rng: env.optimal_action(), 1)
-            print(f"| {name} | {flagged} | {bad} ({100 * bad / max(1, flagged):.1f}%) | "
-                  f"{pass_at_1(tasks, greedy_action):.2f} | {oracle:.2f} |")
+            (bad, flagged), oracle = (
+                undecidable_flags(tasks),
+                pass_at_1(tasks, lambda env, rng: env.optimal_action(), 1),
+            )
+            print(
+                f"| {name} | {flagged} | {bad} ({100 * bad / max(1, flagged):.1f}%) | "
+                f"{pass_at_1(tasks, greedy_action):.2f} | {oracle:.2f} |"
+            )
         sys.exit()
     task = make_tasks("test", n=1)[0]
     env, acts = Navigation(task), optimal_actions(task)
-    print("first message: " + env.reset() + "".join(f"\naction: {a} | observation: {env.step(a)[0]}" for a in acts[:3]))
-    print(f"hint: {env.hint()}\nrubric: {env.rubric_text()}\n{render(task, acts)}\noracle: {' ; '.join(acts)}")
+    print(
+        "first message: "
+        + env.reset()
+        + "".join(f"\naction: {a} | observation: {env.step(a)[0]}" for a in acts[:3])
+    )
+    print(
+        f"hint: {env.hint()}\nrubric: {env.rubric_text()}\n{render(task, acts)}\noracle: {' ; '.join(acts)}"
+    )
     print("| split | grid | density | K | n | seed | slack | optimal actions mean | max |")
     for name, s in SPLITS.items():
         lens = [len(optimal_actions(t)) for t in make_tasks(name)]
-        print(f"| {name} | {s.height}x{s.width} | {s.density} | {s.k_min}-{s.k_max} | {s.n} | {s.seed} | {s.slack}"
-              f" | {sum(lens) / len(lens):.1f} | {max(lens)} |")
+        print(
+            f"| {name} | {s.height}x{s.width} | {s.density} | {s.k_min}-{s.k_max} | {s.n} | {s.seed} | {s.slack}"
+            f" | {sum(lens) / len(lens):.1f} | {max(lens)} |"
+        )

@@ -9,14 +9,17 @@ With n samples per task of which c succeed:
     >>> s["pass@1"], s["pass@4"], round(s["pass^2"], 2)
     (25.0, 50.0, 8.33)
 """
+
 from __future__ import annotations
 
 from math import comb
 
 K_MAX = 4  # the paper reports k = 1..4 with n = 4 samples per task
-COLUMNS = (("p@1", "p@1"), ("avg_p@k", "avg p@k"), ("avg_p^k", "avg p^k")) + tuple(
-    (f"pass@{k}", f"pass@{k}") for k in range(1, K_MAX + 1)) + tuple(
-    (f"pass^{k}", f"pass^{k}") for k in range(1, K_MAX + 1))  # Table 1 columns, then Table 3's
+COLUMNS = (
+    (("p@1", "p@1"), ("avg_p@k", "avg p@k"), ("avg_p^k", "avg p^k"))
+    + tuple((f"pass@{k}", f"pass@{k}") for k in range(1, K_MAX + 1))
+    + tuple((f"pass^{k}", f"pass^{k}") for k in range(1, K_MAX + 1))
+)  # Table 1 columns, then Table 3's
 
 
 def _check(n: int, c: int, k: int) -> None:
@@ -57,7 +60,9 @@ def summarize(successes: list[list[bool]], k_max: int = K_MAX) -> dict[str, floa
         raise ValueError("no tasks to summarize")
     n = len(successes[0])
     if any(len(s) != n for s in successes):
-        raise ValueError(f"every task needs the same number of samples; got {sorted({len(s) for s in successes})}")
+        raise ValueError(
+            f"every task needs the same number of samples; got {sorted({len(s) for s in successes})}"
+        )
     if not 1 <= k_max <= n:
         raise ValueError(f"need 1 <= k_max <= n samples per task; got k_max={k_max} n={n}")
     counts = [sum(bool(x) for x in s) for s in successes]
@@ -81,8 +86,10 @@ def format_table(rows: dict[str, dict[str, float]]) -> str:
     | GRPO | 35.33 | 40.00 |
     """
     cols = [(key, head) for key, head in COLUMNS if any(key in r for r in rows.values())]
-    lines = ["| method | " + " | ".join(h for _, h in cols) + " |",
-             "| --- | " + " | ".join("---" for _ in cols) + " |"]
+    lines = [
+        "| method | " + " | ".join(h for _, h in cols) + " |",
+        "| --- | " + " | ".join("---" for _ in cols) + " |",
+    ]
     for method, r in rows.items():
         cells = [f"{r[key]:.2f}" if key in r else "-" for key, _ in cols]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
@@ -91,22 +98,34 @@ def format_table(rows: dict[str, dict[str, float]]) -> str:
 
 # ----------------------------------------------------------------------------- intervention statistics (Table 6)
 
-RATES = {"trigger_rate": ("groups_triggered", "groups"), "flag_rate": ("steps_flagged", "steps_checked"),
-         "accept_rate": ("corrections_accepted", "steps_flagged"),
-         "reject_rate": ("corrections_rejected", "steps_flagged"),
-         "with_accepted_rate": ("with_accepted", "intervened"),
-         "corrected_success_rate": ("corrected_successes", "with_accepted"),
-         "ppl_kept_mean": ("ppl_kept_sum", "gate_kept"), "ppl_dropped_mean": ("ppl_dropped_sum", "gate_dropped"),
-         "calls_corrected_mean": ("calls_corrected_sum", "gate_kept"),
-         "calls_original_mean": ("calls_original_sum", "gate_kept")}
+RATES = {
+    "trigger_rate": ("groups_triggered", "groups"),
+    "flag_rate": ("steps_flagged", "steps_checked"),
+    "accept_rate": ("corrections_accepted", "steps_flagged"),
+    "reject_rate": ("corrections_rejected", "steps_flagged"),
+    "with_accepted_rate": ("with_accepted", "intervened"),
+    "corrected_success_rate": ("corrected_successes", "with_accepted"),
+    "ppl_kept_mean": ("ppl_kept_sum", "gate_kept"),
+    "ppl_dropped_mean": ("ppl_dropped_sum", "gate_dropped"),
+    "calls_corrected_mean": ("calls_corrected_sum", "gate_kept"),
+    "calls_original_mean": ("calls_original_sum", "gate_kept"),
+}
 
 
 def intervention_rates(counts: dict) -> dict:
     """The counts plus the rates and means of RATES, name -> (numerator, denominator), the figures of the paper's
     Table 6 (NaN where the denominator is 0)."""
-    counts = {**{k: 0 for pair in RATES.values() for k in pair}, **{k: v for k, v in counts.items() if k not in RATES}}
-    return {**counts, **{k: counts.get(a, 0) / counts[b] if counts.get(b) else float("nan")
-                         for k, (a, b) in RATES.items()}}
+    counts = {
+        **{k: 0 for pair in RATES.values() for k in pair},
+        **{k: v for k, v in counts.items() if k not in RATES},
+    }
+    return {
+        **counts,
+        **{
+            k: counts.get(a, 0) / counts[b] if counts.get(b) else float("nan")
+            for k, (a, b) in RATES.items()
+        },
+    }
 
 
 def run_totals(steps: list[dict]) -> dict:
@@ -121,21 +140,24 @@ def run_totals(steps: list[dict]) -> dict:
 
 def intervention_report(s: dict) -> str:
     """The run's statistics in the rows of the paper's Table 6, then the gate's."""
-    n = lambda k: s.get(k, 0)                                            # noqa: E731
-    pct = lambda k: "n/a" if s[k] != s[k] else f"{100 * s[k]:.1f}%"      # noqa: E731
-    num = lambda k: "n/a" if s[k] != s[k] else f"{s[k]:.2f}"             # noqa: E731
-    return "\n".join([
-        f"rollout groups with intervention triggered: {n('groups_triggered')} / {n('groups')} ({pct('trigger_rate')})",
-        f"rollout steps flagged as invalid by the validator: {n('steps_flagged')} / {n('steps_checked')} "
-        f"({pct('flag_rate')})",
-        f"corrections accepted by the verifier: {n('corrections_accepted')} / {n('steps_flagged')} "
-        f"({pct('accept_rate')})",
-        f"corrections rejected by the verifier: {n('corrections_rejected')} / {n('steps_flagged')} "
-        f"({pct('reject_rate')}; {n('correction_attempts')} attempts)",
-        f"intervened trajectories with >= 1 accepted correction: {n('with_accepted')} / {n('intervened')} "
-        f"({pct('with_accepted_rate')}); of those successful: {n('corrected_successes')} "
-        f"({pct('corrected_success_rate')})",
-        f"avg. tool calls per trajectory (corrected vs. original, kept ones): {num('calls_corrected_mean')} vs. "
-        f"{num('calls_original_mean')}",
-        f"perplexity gate: kept {n('gate_kept')} (mean PPL {num('ppl_kept_mean')}), dropped {n('gate_dropped')} "
-        f"(mean PPL {num('ppl_dropped_mean')})"])
+    n = lambda k: s.get(k, 0)  # noqa: E731
+    pct = lambda k: "n/a" if s[k] != s[k] else f"{100 * s[k]:.1f}%"  # noqa: E731
+    num = lambda k: "n/a" if s[k] != s[k] else f"{s[k]:.2f}"  # noqa: E731
+    return "\n".join(
+        [
+            f"rollout groups with intervention triggered: {n('groups_triggered')} / {n('groups')} ({pct('trigger_rate')})",
+            f"rollout steps flagged as invalid by the validator: {n('steps_flagged')} / {n('steps_checked')} "
+            f"({pct('flag_rate')})",
+            f"corrections accepted by the verifier: {n('corrections_accepted')} / {n('steps_flagged')} "
+            f"({pct('accept_rate')})",
+            f"corrections rejected by the verifier: {n('corrections_rejected')} / {n('steps_flagged')} "
+            f"({pct('reject_rate')}; {n('correction_attempts')} attempts)",
+            f"intervened trajectories with >= 1 accepted correction: {n('with_accepted')} / {n('intervened')} "
+            f"({pct('with_accepted_rate')}); of those successful: {n('corrected_successes')} "
+            f"({pct('corrected_success_rate')})",
+            f"avg. tool calls per trajectory (corrected vs. original, kept ones): {num('calls_corrected_mean')} vs. "
+            f"{num('calls_original_mean')}",
+            f"perplexity gate: kept {n('gate_kept')} (mean PPL {num('ppl_kept_mean')}), dropped {n('gate_dropped')} "
+            f"(mean PPL {num('ppl_dropped_mean')})",
+        ]
+    )

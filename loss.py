@@ -9,6 +9,7 @@ source, loss_mask are [B, T]; advantages [B] (one per row) or [B, T].
   behavior_logp  log mu: the corrector's log-prob when it wrote the token (rubric in context).
 Formulas marked "our reading" are not printed in the RTI paper (the README's method table lists them).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,38 +29,47 @@ LOG_RATIO_CLAMP = 20.0  # as verl: |log ratio| <= 20 keeps exp() finite, so back
 class LossConfig:
     """Flags of this file's functions. w_min / w_max / luffy_gamma defaults are our choice (the
     paper prints none for the weights); __post_init__ raises ValueError("field: why") for a bad one."""
-    clip_low: float = 0.2        # eps_lo; DAPO-style asymmetric clip
-    clip_high: float = 0.28      # eps_hi
+
+    clip_low: float = 0.2  # eps_lo; DAPO-style asymmetric clip
+    clip_high: float = 0.28  # eps_hi
     is_mode: str = "calibrated"  # "calibrated" | "behavior" | "luffy": ratio of INTERVENED tokens
-    reweight: bool = True        # False = the paper's "w/o reweight" ablation: w_t = 1
+    reweight: bool = True  # False = the paper's "w/o reweight" ablation: w_t = 1
     w_min: float = 0.2
     w_max: float = 3.0
     luffy_gamma: float = 0.1
-    kl_coef: float = 0.0         # k3 KL to a reference policy
-    agg: str = "token-mean"      # "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum-norm"
-    ratio_level: str = "token"   # "token" (GRPO/PPO) | "sequence" (GSPO)
-    max_len: int | None = None   # normaliser of seq-mean-token-sum-norm; None = T of the batch
+    kl_coef: float = 0.0  # k3 KL to a reference policy
+    agg: str = "token-mean"  # "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum-norm"
+    ratio_level: str = "token"  # "token" (GRPO/PPO) | "sequence" (GSPO)
+    max_len: int | None = None  # normaliser of seq-mean-token-sum-norm; None = T of the batch
     scale_advantages: bool = True  # group_advantages: divide by the group's std (False: Dr. GRPO)
 
     def __post_init__(self):
-        for name, choices in (("is_mode", IS_MODES), ("agg", AGG_MODES), ("ratio_level", RATIO_LEVELS)):
+        for name, choices in (
+            ("is_mode", IS_MODES),
+            ("agg", AGG_MODES),
+            ("ratio_level", RATIO_LEVELS),
+        ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}: must be one of {choices}, got {getattr(self, name)!r}")
-        checks = (("clip_low", 0 <= self.clip_low <= 1, "must be in [0, 1]"),
-                  ("clip_high", 0 <= self.clip_high < math.inf, "must be finite and >= 0"),
-                  ("reweight", isinstance(self.reweight, bool), "must be a bool"),
-                  ("scale_advantages", isinstance(self.scale_advantages, bool), "must be a bool"),
-                  ("w_min", 0 <= self.w_min < math.inf, "must be finite and >= 0"),
-                  ("w_max", self.w_max >= self.w_min, "must be >= w_min (inf allowed)"),
-                  ("luffy_gamma", 0 < self.luffy_gamma < math.inf, "must be finite and > 0"),
-                  ("kl_coef", 0 <= self.kl_coef < math.inf, "must be finite and >= 0"),
-                  ("max_len", self.max_len is None or self.max_len >= 1, "must be None or >= 1"))
+        checks = (
+            ("clip_low", 0 <= self.clip_low <= 1, "must be in [0, 1]"),
+            ("clip_high", 0 <= self.clip_high < math.inf, "must be finite and >= 0"),
+            ("reweight", isinstance(self.reweight, bool), "must be a bool"),
+            ("scale_advantages", isinstance(self.scale_advantages, bool), "must be a bool"),
+            ("w_min", 0 <= self.w_min < math.inf, "must be finite and >= 0"),
+            ("w_max", self.w_max >= self.w_min, "must be >= w_min (inf allowed)"),
+            ("luffy_gamma", 0 < self.luffy_gamma < math.inf, "must be finite and > 0"),
+            ("kl_coef", 0 <= self.kl_coef < math.inf, "must be finite and >= 0"),
+            ("max_len", self.max_len is None or self.max_len >= 1, "must be None or >= 1"),
+        )
         for name, ok, why in checks:  # NaN fails every comparison, so it is rejected too
             if not ok:
                 raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
 
 
-def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, scale: bool = True) -> Tensor:
+def group_advantages(
+    rewards: Tensor, group_size: int, eps: float = 1e-6, scale: bool = True
+) -> Tensor:
     """A_i = (r_i - mean_g) / (std_g + eps) over the group g of trajectory i (GRPO);
     scale=False gives A_i = r_i - mean_g (Dr. GRPO). std_g is the UNBIASED std (Bessel, n-1),
     as torch.std, TRL and verl. A zero-spread group (all rewards equal, or group_size 1) gives
@@ -72,7 +82,9 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, scale:
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
     if group_size < 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}")
+        raise ValueError(
+            f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}"
+        )
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards contains NaN or inf")
     r = rewards.detach().view(-1, group_size)
@@ -80,7 +92,7 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6, scale:
     adv = r - r.mean(-1, keepdim=True)
     if scale and group_size > 1:
         adv = adv / (r.std(-1, keepdim=True) + eps)
-    zero_spread = (r.amax(-1, keepdim=True) == r.amin(-1, keepdim=True))
+    zero_spread = r.amax(-1, keepdim=True) == r.amin(-1, keepdim=True)
     return torch.where(zero_spread, torch.zeros_like(adv), adv).view(-1)
 
 
@@ -96,14 +108,21 @@ def advantages_by_group(rewards: Tensor, group_ids: list, scale: bool = True) ->
     """group_advantages for groups of any size: rows with the same id form a group, wherever they are (paired RTI
     enlarges a triggered group with its corrections). Example: ids [0, 0, 0, 0, 1, 1], rewards [0, 0, 1, 1, 1, 1]
     -> group 0 as group_advantages(rewards[:4], 4), group 1 zero spread: A [-.866, -.866, .866, .866, 0, 0]."""
-    adv = torch.zeros_like(rewards, dtype=rewards.dtype if rewards.is_floating_point() else torch.float32)
+    adv = torch.zeros_like(
+        rewards, dtype=rewards.dtype if rewards.is_floating_point() else torch.float32
+    )
     for rows in group_rows(group_ids).values():
         adv[rows] = group_advantages(rewards[rows], len(rows), scale=scale)
     return adv
 
 
-def token_weights(behavior_logp: Tensor, old_logp: Tensor, intervened_mask: Tensor,
-                  w_min: float = 0.2, w_max: float = 3.0) -> Tensor:
+def token_weights(
+    behavior_logp: Tensor,
+    old_logp: Tensor,
+    intervened_mask: Tensor,
+    w_min: float = 0.2,
+    w_max: float = 3.0,
+) -> Tensor:
     """Calibrated token weights (our reading), detached, [B, T]:
       delta_t = log mu_t - log pi_old_t
       w_t = clip(exp(delta_t) / mean_{s in I_i} exp(delta_s), w_min, w_max)  for t in I_i
@@ -125,9 +144,14 @@ def token_weights(behavior_logp: Tensor, old_logp: Tensor, intervened_mask: Tens
         return torch.where(inter, w, torch.ones_like(w))
 
 
-def importance_ratios(logp: Tensor, old_logp: Tensor, source: Tensor | None = None,
-                      behavior_logp: Tensor | None = None, config: LossConfig = LossConfig(),
-                      loss_mask: Tensor | None = None) -> Tensor:
+def importance_ratios(
+    logp: Tensor,
+    old_logp: Tensor,
+    source: Tensor | None = None,
+    behavior_logp: Tensor | None = None,
+    config: LossConfig = LossConfig(),
+    loss_mask: Tensor | None = None,
+) -> Tensor:
     """Per-token ratio rho_t used in the surrogate, [B, T] (token weights NOT included).
       anchor_t = log mu_t      if is_mode == "behavior" and t is INTERVENED  (naive ratio pi/mu)
                = log pi_old_t  otherwise (policy tokens; "calibrated" intervened tokens, our
@@ -151,14 +175,18 @@ def importance_ratios(logp: Tensor, old_logp: Tensor, source: Tensor | None = No
         rho = torch.exp(log_ratio)
     else:
         m = torch.ones_like(logp) if loss_mask is None else loss_mask.to(logp.dtype)
-        log_s = torch.where(m != 0, log_ratio, 0.0).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+        log_s = torch.where(m != 0, log_ratio, 0.0).sum(-1, keepdim=True) / m.sum(
+            -1, keepdim=True
+        ).clamp(min=1)
         rho = torch.exp(log_s.detach() + (logp - logp.detach()))  # value exactly s_i
     if config.is_mode == "luffy":
         rho = torch.where(inter, torch.sigmoid(logp - math.log(config.luffy_gamma)), rho)
     return rho
 
 
-def aggregate(loss_mat: Tensor, loss_mask: Tensor, mode: str = "token-mean", max_len: int | None = None) -> Tensor:
+def aggregate(
+    loss_mat: Tensor, loss_mask: Tensor, mode: str = "token-mean", max_len: int | None = None
+) -> Tensor:
     """Reduce a [B, T] per-token loss to a scalar (verl's agg_loss). m = loss_mask, L = loss_mat.
       token-mean:              sum_it m L / sum_it m
       seq-mean-token-mean:     mean over rows with sum_t m > 0 of (sum_t m L / sum_t m)
@@ -171,9 +199,13 @@ def aggregate(loss_mat: Tensor, loss_mask: Tensor, mode: str = "token-mean", max
     if mode not in AGG_MODES:
         raise ValueError(f"unknown aggregation mode {mode!r}; valid choices: {AGG_MODES}")
     if loss_mat.shape != loss_mask.shape:
-        raise ValueError(f"loss_mat has shape {tuple(loss_mat.shape)} but loss_mask has shape {tuple(loss_mask.shape)}")
+        raise ValueError(
+            f"loss_mat has shape {tuple(loss_mat.shape)} but loss_mask has shape {tuple(loss_mask.shape)}"
+        )
     m = loss_mask.to(loss_mat.dtype)
-    masked = torch.where(m != 0, loss_mat * m, torch.zeros_like(loss_mat))  # masked inf/NaN never leak
+    masked = torch.where(
+        m != 0, loss_mat * m, torch.zeros_like(loss_mat)
+    )  # masked inf/NaN never leak
     if mode == "token-mean":
         return masked.sum() / m.sum().clamp(min=1)
     if mode == "seq-mean-token-mean":
@@ -189,14 +221,23 @@ def _validate(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_
         raise ValueError(f"config must be a LossConfig, got {type(config).__name__}")
     if logp.dim() != 2:
         raise ValueError(f"logp must be 2-D [B, T], got shape {tuple(logp.shape)}")
-    named = {"old_logp": old_logp, "loss_mask": loss_mask, "source": source,
-             "behavior_logp": behavior_logp, "ref_logp": ref_logp}
+    named = {
+        "old_logp": old_logp,
+        "loss_mask": loss_mask,
+        "source": source,
+        "behavior_logp": behavior_logp,
+        "ref_logp": ref_logp,
+    }
     for name, t in named.items():
         if t is not None and t.shape != logp.shape:
-            raise ValueError(f"logp has shape {tuple(logp.shape)} but {name} has shape {tuple(t.shape)}")
+            raise ValueError(
+                f"logp has shape {tuple(logp.shape)} but {name} has shape {tuple(t.shape)}"
+            )
     if advantages.shape not in (logp.shape[:1], logp.shape):
-        raise ValueError(f"advantages has shape {tuple(advantages.shape)} but logp has shape "
-                         f"{tuple(logp.shape)}; expected {tuple(logp.shape[:1])} or {tuple(logp.shape)}")
+        raise ValueError(
+            f"advantages has shape {tuple(advantages.shape)} but logp has shape "
+            f"{tuple(logp.shape)}; expected {tuple(logp.shape[:1])} or {tuple(logp.shape)}"
+        )
     if not ((loss_mask == 0) | (loss_mask == 1)).all():
         raise ValueError("loss_mask must hold only 0 and 1 (or bool)")
     if source is not None and not ((source == POLICY) | (source == INTERVENED)).all():
@@ -206,7 +247,12 @@ def _validate(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_
     if not torch.isfinite(advantages).all():
         raise ValueError("advantages contains NaN or inf")
     trained = loss_mask != 0
-    for name, t in {"logp": logp, "old_logp": old_logp, "behavior_logp": behavior_logp, "ref_logp": ref_logp}.items():
+    for name, t in {
+        "logp": logp,
+        "old_logp": old_logp,
+        "behavior_logp": behavior_logp,
+        "ref_logp": ref_logp,
+    }.items():
         if t is None:
             continue
         if torch.isnan(t).any() or (t == math.inf).any():
@@ -215,9 +261,16 @@ def _validate(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_
             raise ValueError(f"{name} contains -inf at a trained position (loss_mask = 1)")
 
 
-def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: Tensor,
-                source: Tensor | None = None, behavior_logp: Tensor | None = None,
-                ref_logp: Tensor | None = None, config: LossConfig = LossConfig()) -> tuple[Tensor, dict[str, float]]:
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    source: Tensor | None = None,
+    behavior_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    config: LossConfig = LossConfig(),
+) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate with calibrated importance weights; returns (scalar loss, metrics).
       loss_t = -w_t * min(rho_t A, clip(rho_t, 1 - clip_low, 1 + clip_high) A)   (rho_t, f_t from
                importance_ratios; w_t from token_weights on INTERVENED tokens when is_mode is
@@ -271,9 +324,13 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: T
 
     with torch.no_grad():
         n = trained.sum().clamp(min=1).item()
+
         def mean(x, sel, empty):
             return x[sel].mean().item() if sel.any() else empty
-        clipped = ((adv > 0) & (rho > 1 + config.clip_high)) | ((adv < 0) & (rho < 1 - config.clip_low))
+
+        clipped = ((adv > 0) & (rho > 1 + config.clip_high)) | (
+            (adv < 0) & (rho < 1 - config.clip_low)
+        )
         ratio_tok = trained & ~luffy
         naive = (logp - beh)[inter]  # log of the naive ratio pi_theta / mu
         lo = math.log(1 - config.clip_low) if config.clip_low < 1 else -math.inf
@@ -291,9 +348,16 @@ def policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, loss_mask: T
             "ref_kl": mean(ref_kl, trained, 0.0) if ref_logp is not None else 0.0,
             "intervened_frac": inter.sum().item() / n,
         }
-        for name, sel in (("policy", ratio_tok & ~inter), ("intervened", ratio_tok & inter)):   # by source
-            metrics.update({f"{name}/ratio_mean": mean(rho, sel, 1.0),
-                            f"{name}/ratio_min": rho[sel].min().item() if sel.any() else 1.0,
-                            f"{name}/ratio_max": rho[sel].max().item() if sel.any() else 1.0,
-                            f"{name}/clip_frac": (clipped & sel).sum().item() / max(1, sel.sum().item())})
+        for name, sel in (
+            ("policy", ratio_tok & ~inter),
+            ("intervened", ratio_tok & inter),
+        ):  # by source
+            metrics.update(
+                {
+                    f"{name}/ratio_mean": mean(rho, sel, 1.0),
+                    f"{name}/ratio_min": rho[sel].min().item() if sel.any() else 1.0,
+                    f"{name}/ratio_max": rho[sel].max().item() if sel.any() else 1.0,
+                    f"{name}/clip_frac": (clipped & sel).sum().item() / max(1, sel.sum().item()),
+                }
+            )
     return loss, metrics

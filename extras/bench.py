@@ -1,7 +1,8 @@
 """Side-by-side speed figures of the core (printed, never asserted); optional (extras/).
 
-    python -m extras.bench [MODEL_DIR] --repeats 2 --threads 2     # run it on an otherwise idle machine
+python -m extras.bench [MODEL_DIR] --repeats 2 --threads 2     # run it on an otherwise idle machine
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,7 +18,14 @@ import rti
 from loss import advantages_by_group
 
 
-def bench(model_dir: str, tasks: int = 8, group: int = 8, repeats: int = 3, threads: int = 1, seed: int = 0) -> None:
+def bench(
+    model_dir: str,
+    tasks: int = 8,
+    group: int = 8,
+    repeats: int = 3,
+    threads: int = 1,
+    seed: int = 0,
+) -> None:
     """Side-by-side timings on one machine, alternating so that drift hits both sides:
     rollout throughput batched (B x G episodes in lockstep) vs one episode at a time on the same tasks, and one
     training step of GRPO vs RTI (both group modes) from the same sampled batch and the same weights, split into the
@@ -34,17 +42,32 @@ def bench(model_dir: str, tasks: int = 8, group: int = 8, repeats: int = 3, thre
             if mode == "batched":
                 trajs = rti.rollout(policy, batch_tasks, group)
             else:
-                trajs = [t for task in batch_tasks for _ in range(group) for t in rti.rollout(policy, [task], 1)]
+                trajs = [
+                    t
+                    for task in batch_tasks
+                    for _ in range(group)
+                    for t in rti.rollout(policy, [task], 1)
+                ]
             dt = time.perf_counter() - t0
             rates[mode].append((len(trajs) / dt, sum(len(t.ids) for t in trajs) / dt, dt))
-    print(f"rollout, {tasks} tasks x {group} episodes, train split, {threads} thread(s), {repeats} alternating repeats")
+    print(
+        f"rollout, {tasks} tasks x {group} episodes, train split, {threads} thread(s), {repeats} alternating repeats"
+    )
     for mode, xs in rates.items():
         med = sorted(xs, key=lambda x: x[2])[len(xs) // 2]
-        print(f"  {mode:14s} {med[0]:7.1f} episodes/s {med[1]:9.0f} tokens/s   ({med[2]:.2f} s per batch)")
-    ratio = sorted(b[0] / s[0] for b, s in zip(rates["batched"], rates["one at a time"]))[len(rates["batched"]) // 2]
+        print(
+            f"  {mode:14s} {med[0]:7.1f} episodes/s {med[1]:9.0f} tokens/s   ({med[2]:.2f} s per batch)"
+        )
+    ratio = sorted(b[0] / s[0] for b, s in zip(rates["batched"], rates["one at a time"]))[
+        len(rates["batched"]) // 2
+    ]
     print(f"  batched / one at a time: {ratio:.1f}x episodes per second")
 
-    parts = {"grpo": [], "replace": [], "paired": []}   # (intervention s, update s, trained tokens) per repeat
+    parts = {
+        "grpo": [],
+        "replace": [],
+        "paired": [],
+    }  # (intervention s, update s, trained tokens) per repeat
     for r in range(repeats):
         policy = rti.Sampler(model, tok, seed=seed + r)
         trajs = rti.rollout(policy, batch_tasks, group)
@@ -57,27 +80,41 @@ def bench(model_dir: str, tasks: int = 8, group: int = 8, repeats: int = 3, thre
                 mode = dataclasses.replace(cfg.rti, group_mode=method)
                 batch, _ = intervene.intervene_batch(p, batch, mode, p.make_env)
             t1 = time.perf_counter()
-            adv = advantages_by_group(torch.tensor([t.reward for t in batch]), [t.group for t in batch])
+            adv = advantages_by_group(
+                torch.tensor([t.reward for t in batch]), [t.group for t in batch]
+            )
             keep = [i for i in range(len(batch)) if adv[i] != 0]
             if keep:
                 rti.update(p, opt, [batch[i] for i in keep], adv[keep], cfg)
-            parts[method].append((t1 - t0, time.perf_counter() - t1, sum(len(batch[i].ids) for i in keep)))
+            parts[method].append(
+                (t1 - t0, time.perf_counter() - t1, sum(len(batch[i].ids) for i in keep))
+            )
     med = {m: sorted(a + u for a, u, _ in v)[len(v) // 2] for m, v in parts.items()}
-    print(f"where the after-sampling time goes, mean of {repeats}: intervention / update on the trained tokens")
+    print(
+        f"where the after-sampling time goes, mean of {repeats}: intervention / update on the trained tokens"
+    )
     for m, xs in parts.items():
         inter, upd, toks = (sum(x[k] for x in xs) / len(xs) for k in range(3))
-        print(f"  {m:8s} intervention {inter:6.2f} s   update {upd:6.2f} s on {toks:6.0f} tokens "
-              f"({1000 * upd / max(1, toks):.2f} ms a token)")
+        print(
+            f"  {m:8s} intervention {inter:6.2f} s   update {upd:6.2f} s on {toks:6.0f} tokens "
+            f"({1000 * upd / max(1, toks):.2f} ms a token)"
+        )
     roll = sorted(x[2] for x in rates["batched"])[len(rates["batched"]) // 2]
-    for name, t in (("after-sampling step time on the same batch", med), ("whole step with the batched rollout",
-                                                                         {m: v + roll for m, v in med.items()})):
-        print(f"{name}: GRPO {t['grpo']:.2f} s, RTI replace {t['replace']:.2f} s ({t['replace'] / t['grpo']:.2f}x), "
-              f"RTI paired {t['paired']:.2f} s ({t['paired'] / t['grpo']:.2f}x)")
+    for name, t in (
+        ("after-sampling step time on the same batch", med),
+        ("whole step with the batched rollout", {m: v + roll for m, v in med.items()}),
+    ):
+        print(
+            f"{name}: GRPO {t['grpo']:.2f} s, RTI replace {t['replace']:.2f} s ({t['replace'] / t['grpo']:.2f}x), "
+            f"RTI paired {t['paired']:.2f} s ({t['paired'] / t['grpo']:.2f}x)"
+        )
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m extras.bench",
-                                description="rollout throughput batched vs one at a time; GRPO vs RTI step time")
+    p = argparse.ArgumentParser(
+        prog="python -m extras.bench",
+        description="rollout throughput batched vs one at a time; GRPO vs RTI step time",
+    )
     p.add_argument("model", nargs="?", default=rti.WARMSTART_DIR)
     p.add_argument("--tasks", type=int, default=8)
     p.add_argument("--group", type=int, default=8)

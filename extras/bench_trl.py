@@ -16,6 +16,7 @@
 Repeats alternate ours / TRL's, each on its own copy of the model, and the medians are compared. The machine state
 (CPUs, torch threads, load average before and after) is printed with the figures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,18 @@ import time
 import torch
 
 from extras import trl_rti
-from extras.trl_rti import (POLICY, GRPOTrainer, Sampler, Trajectory, envs, group_advantages, load_model, rollout,
-                             train_config, update)
+from extras.trl_rti import (
+    POLICY,
+    GRPOTrainer,
+    Sampler,
+    Trajectory,
+    envs,
+    group_advantages,
+    load_model,
+    rollout,
+    train_config,
+    update,
+)
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -45,39 +56,60 @@ def first_step_reward(completions, task, **kwargs) -> list[float]:
 def prompt_dataset(tasks):
     """Rows for the single-turn step: the first observation as the user message, plus the task."""
     data = trl_rti.navigation_dataset(tasks)
-    return data.map(lambda r: {"prompt": [{"role": "user", "content": envs.Navigation(trl_rti.task_of(r)).reset()}]})
+    return data.map(
+        lambda r: {
+            "prompt": [{"role": "user", "content": envs.Navigation(trl_rti.task_of(r)).reset()}]
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- 1. rollout
+
 
 def ours_rollout(model, tok, tasks, G, seed):
     sampler = Sampler(model, tok, max_turn_tokens=4)
     t0 = time.perf_counter()
     trajs = rollout(sampler, tasks, G, seed)
     dt = time.perf_counter() - t0
-    return dt, {"success": sum(t.reward for t in trajs) / len(trajs),
-                "turns": sum(len(t.actions) for t in trajs) / len(trajs)}
+    return dt, {
+        "success": sum(t.reward for t in trajs) / len(trajs),
+        "turns": sum(len(t.actions) for t in trajs) / len(trajs),
+    }
 
 
 def trl_rollout_trainer(model, tok, tasks, G, out):
-    args = trl_rti.trl_args(out, 1, len(tasks), G, max_completion_length=1536,
-                            max_tool_calling_iterations=max(t.max_turns for t in tasks) + 1,
-                            generation_kwargs={"max_new_tokens": 4})
-    return GRPOTrainer(model=model, processing_class=trl_rti.tool_tokenizer(tok),
-                       train_dataset=trl_rti.navigation_dataset(tasks), environment_factory=trl_rti.NavigationToolEnv,
-                       args=args)
+    args = trl_rti.trl_args(
+        out,
+        1,
+        len(tasks),
+        G,
+        max_completion_length=1536,
+        max_tool_calling_iterations=max(t.max_turns for t in tasks) + 1,
+        generation_kwargs={"max_new_tokens": 4},
+    )
+    return GRPOTrainer(
+        model=model,
+        processing_class=trl_rti.tool_tokenizer(tok),
+        train_dataset=trl_rti.navigation_dataset(tasks),
+        environment_factory=trl_rti.NavigationToolEnv,
+        args=args,
+    )
 
 
 def trl_rollout(trainer, rows):
-    trainer.model.train()             # as in TRL's training loop (its metrics go to the "train" bucket)
+    trainer.model.train()  # as in TRL's training loop (its metrics go to the "train" bucket)
     t0 = time.perf_counter()
     trainer._generate_and_score_completions(rows)
     dt = time.perf_counter() - t0
     m = trainer._metrics["train"]
-    return dt, {"success": m["reward"][-1], "turns": m["tools/call_frequency"][-1] + 1}   # + the closing turn
+    return dt, {
+        "success": m["reward"][-1],
+        "turns": m["tools/call_frequency"][-1] + 1,
+    }  # + the closing turn
 
 
 # ----------------------------------------------------------------------------- 2. single-turn GRPO step
+
 
 def ours_step(model, tok, opt, tasks, G, seed):
     """Sample one turn for B x G rows in one DecodeSession, score, group advantages, rti.update (token-mean)."""
@@ -102,9 +134,16 @@ def ours_step(model, tok, opt, tasks, G, seed):
 
 
 def trl_step_trainer(model, tok, tasks, G, out):
-    args = trl_rti.trl_args(out, 1, len(tasks), G, max_completion_length=4, loss_type="dapo", max_grad_norm=1.0)
-    trainer = GRPOTrainer(model=model, processing_class=tok, reward_funcs=[first_step_reward],
-                          train_dataset=prompt_dataset(tasks), args=args)
+    args = trl_rti.trl_args(
+        out, 1, len(tasks), G, max_completion_length=4, loss_type="dapo", max_grad_norm=1.0
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tok,
+        reward_funcs=[first_step_reward],
+        train_dataset=prompt_dataset(tasks),
+        args=args,
+    )
     trainer.create_optimizer()
     return trainer
 
@@ -124,6 +163,7 @@ def trl_step(trainer, rows):
 
 # ----------------------------------------------------------------------------- driver
 
+
 def machine(threads):
     load = os.getloadavg()
     return f"{os.cpu_count()} CPUs, torch threads {threads}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
@@ -132,8 +172,8 @@ def machine(threads):
 def run(a) -> dict:
     torch.set_num_threads(a.threads)
     print("machine before:", machine(a.threads))
-    tasks = envs.make_tasks(a.split)[:a.tasks]
-    step_tasks = envs.make_tasks(a.split)[:a.step_tasks]
+    tasks = envs.make_tasks(a.split)[: a.tasks]
+    step_tasks = envs.make_tasks(a.split)[: a.step_tasks]
     G = a.group_size
     ours_m, ours_tok = load_model(a.model)
     trl_m, trl_tok = load_model(a.model)
@@ -146,8 +186,11 @@ def run(a) -> dict:
         res["ours_rollout"].append(dt)
         dt, info["trl_rollout"] = trl_rollout(trl_r, rows)
         res["trl_rollout"].append(dt)
-        print(f"repeat {r}: rollout ours {res['ours_rollout'][-1]:.2f} s {info['ours_rollout']}, "
-              f"TRL {res['trl_rollout'][-1]:.2f} s {info['trl_rollout']}", flush=True)
+        print(
+            f"repeat {r}: rollout ours {res['ours_rollout'][-1]:.2f} s {info['ours_rollout']}, "
+            f"TRL {res['trl_rollout'][-1]:.2f} s {info['trl_rollout']}",
+            flush=True,
+        )
     del trl_r
     ours_s, ours_stok = load_model(a.model)
     opt = torch.optim.AdamW(ours_s.parameters(), lr=1e-4, weight_decay=0.0)
@@ -159,26 +202,41 @@ def run(a) -> dict:
         res["ours_step"].append(dt)
         dt, info["trl_step"] = trl_step(trl_t, srows)
         res["trl_step"].append(dt)
-        print(f"repeat {r}: step ours {res['ours_step'][-1]:.2f} s {info['ours_step']}, "
-              f"TRL {res['trl_step'][-1]:.2f} s {info['trl_step']}", flush=True)
+        print(
+            f"repeat {r}: step ours {res['ours_step'][-1]:.2f} s {info['ours_step']}, "
+            f"TRL {res['trl_step'][-1]:.2f} s {info['trl_step']}",
+            flush=True,
+        )
     med = {k: statistics.median(v) for k, v in res.items()}
     n = len(tasks) * G
     ours_eps, trl_eps = n / med["ours_rollout"], n / med["trl_rollout"]
     print(f"\nrollout, {len(tasks)} tasks x G {G} = {n} episodes, median of {a.repeats}:")
-    print(f"  ours {ours_eps:.1f} episodes/s ({med['ours_rollout']:.2f} s), TRL tool loop {trl_eps:.1f} episodes/s "
-          f"({med['trl_rollout']:.2f} s): {ours_eps / trl_eps:.2f}x (goal >= 5x)")
+    print(
+        f"  ours {ours_eps:.1f} episodes/s ({med['ours_rollout']:.2f} s), TRL tool loop {trl_eps:.1f} episodes/s "
+        f"({med['trl_rollout']:.2f} s): {ours_eps / trl_eps:.2f}x (goal >= 5x)"
+    )
     print(f"single-turn GRPO step, {len(step_tasks)} prompts x G {G}, median of {a.repeats}:")
-    print(f"  ours {med['ours_step']:.3f} s, TRL {med['trl_step']:.3f} s: {med['ours_step'] / med['trl_step']:.2f}x "
-          f"TRL's time (goal <= 0.9x)")
+    print(
+        f"  ours {med['ours_step']:.3f} s, TRL {med['trl_step']:.3f} s: {med['ours_step'] / med['trl_step']:.2f}x "
+        f"TRL's time (goal <= 0.9x)"
+    )
     print("machine after:", machine(a.threads))
-    return {"median_s": med, "rollout_ratio": ours_eps / trl_eps, "step_ratio": med["ours_step"] / med["trl_step"]}
+    return {
+        "median_s": med,
+        "rollout_ratio": ours_eps / trl_eps,
+        "step_ratio": med["ours_step"] / med["trl_step"],
+    }
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Our rollout and GRPO step against TRL 1.16's, side by side.")
+    p = argparse.ArgumentParser(
+        description="Our rollout and GRPO step against TRL 1.16's, side by side."
+    )
     p.add_argument("--tasks", type=int, default=64)
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--step-tasks", type=int, default=16, help="prompts of the single-turn step (x group size)")
+    p.add_argument(
+        "--step-tasks", type=int, default=16, help="prompts of the single-turn step (x group size)"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--split", default="train")

@@ -9,6 +9,7 @@ action `move up`. A turn with no call, a truncated or malformed call, an unknown
 an `invalid tool call: ...` action, which the env answers with an error observation. `thinking` is passed to the
 template as enable_thinking (Qwen3's switch).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,10 @@ from rti import Chat
 
 class NavigationTools:
     """Navigation's actions as three tools: move(direction: up|down|left|right), route() and finish()."""
-    messages_allowed = False      # every turn must be a call (tau2 airline / retail agents may also talk)
+
+    messages_allowed = (
+        False  # every turn must be a call (tau2 airline / retail agents may also talk)
+    )
 
     @staticmethod
     def system_prompt() -> str:
@@ -29,14 +33,41 @@ class NavigationTools:
     @staticmethod
     def tools() -> list[dict]:
         """ACTIONS as OpenAI-style function tools, for `tokenizer.apply_chat_template(..., tools=...)`."""
+
         def tool(name, description, properties):
-            return {"type": "function", "function": {"name": name, "description": description, "parameters": {
-                "type": "object", "properties": properties, "required": sorted(properties)}}}
+            return {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": description,
+                    "parameters": {
+                        "type": "object",
+                        "properties": properties,
+                        "required": sorted(properties),
+                    },
+                },
+            }
+
         directions = [a.split()[1] for a in MOVES]
-        return [tool("move", "Move one cell on the grid.",
-                     {"direction": {"type": "string", "enum": directions, "description": "up decreases the row"}}),
-                tool("route", "Show a shortest path to the next target; it stays in view while you follow it.", {}),
-                tool("finish", "End the episode; call it on the last waypoint.", {})]
+        return [
+            tool(
+                "move",
+                "Move one cell on the grid.",
+                {
+                    "direction": {
+                        "type": "string",
+                        "enum": directions,
+                        "description": "up decreases the row",
+                    }
+                },
+            ),
+            tool(
+                "route",
+                "Show a shortest path to the next target; it stays in view while you follow it.",
+                {},
+            ),
+            tool("finish", "End the episode; call it on the last waypoint.", {}),
+        ]
 
     @staticmethod
     def action_from_call(name, arguments) -> str | None:
@@ -52,7 +83,11 @@ class NavigationTools:
         if name in ("route", "finish") and not arguments:
             return name
         action = f"move {arguments.get('direction')}"
-        return action if name == "move" and set(arguments) == {"direction"} and action in MOVES else None
+        return (
+            action
+            if name == "move" and set(arguments) == {"direction"} and action in MOVES
+            else None
+        )
 
     @staticmethod
     def call_from_action(action: str) -> dict:
@@ -63,7 +98,9 @@ class NavigationTools:
         return {"name": name, "arguments": {"direction": arg[0]} if arg else {}}
 
 
-TOOL_ADAPTERS = {"navigation": NavigationTools}   # env name -> its tools; other envs' classes are their own adapter
+TOOL_ADAPTERS = {
+    "navigation": NavigationTools
+}  # env name -> its tools; other envs' classes are their own adapter
 
 
 def tool_adapter(env: str):
@@ -74,17 +111,25 @@ class ToolChat(Chat):
     """rti.Chat for a template that takes tools; the token bookkeeping (token-in, token-out) is the same."""
 
     def __init__(self, tok, env: str = "navigation", thinking: bool = False):
-        self.adapter, self.thinking = tool_adapter(env), thinking   # render() needs them before Chat renders
+        self.adapter, self.thinking = (
+            tool_adapter(env),
+            thinking,
+        )  # render() needs them before Chat renders
         self.tools = self.adapter.tools()
         super().__init__(tok, env)
         self.turn_pre, self.turn_post = self.after_turn("tool")
-        self.user_turn = self.after_turn("user")   # a user's reply (tau2 airline, retail)
+        self.user_turn = self.after_turn("user")  # a user's reply (tau2 airline, retail)
 
     def render(self, messages: list[dict]) -> str:
         system = self.adapter.system_prompt()
         head = [{"role": "system", "content": system}] if system else []
-        return self.tok.apply_chat_template(head + messages, tokenize=False, add_generation_prompt=True,
-                                            tools=self.tools, enable_thinking=self.thinking)
+        return self.tok.apply_chat_template(
+            head + messages,
+            tokenize=False,
+            add_generation_prompt=True,
+            tools=self.tools,
+            enable_thinking=self.thinking,
+        )
 
     def turn_ids(self, content: str, role: str | None = None) -> list[int]:
         """The next observation as a tool message (role "user": a user's message) and the assistant header."""
@@ -127,8 +172,13 @@ def parse_tool_call(text: str, env_cls=NavigationTools) -> str:
     if not calls and "<tool_call>" not in body and body.strip() and env_cls.messages_allowed:
         return body.strip()
     if len(calls) != 1:
-        why = (f"{len(calls)} calls in one turn" if calls else
-               "unterminated <tool_call>" if "<tool_call>" in body else "no <tool_call> block")
+        why = (
+            f"{len(calls)} calls in one turn"
+            if calls
+            else "unterminated <tool_call>"
+            if "<tool_call>" in body
+            else "no <tool_call> block"
+        )
         return f"invalid tool call: {why}"
     try:
         call = json.loads(calls[0])

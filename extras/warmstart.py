@@ -11,6 +11,7 @@ route), so the policy rarely calls the tool by itself: that is the capability bo
 says (`route` when it holds none), so the policy learns from the start to follow a hint and a route. RL itself
 (rti.py) trains agent tokens only.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,29 +37,44 @@ from loss import group_rows
 @dataclass
 class WarmStartConfig(rti.Config):
     """rti.Config (model, seed, threads, grad_clip, progress) plus the warm start's flags."""
+
     ws_split: str = "easy"
     ws_steps: int = 700
     ws_batch: int = 32
     ws_lr: float = 3e-3
-    ws_hint_frac: float = 0.3           # share of teacher turns with the corrector's hint block before the action
-    ws_route_frac: float = 0.05         # share of legs the teacher starts with the route tool (1: the oracle's episodes)
-    ws_obs_weight: float = 1.0          # auxiliary next-token loss on observation tokens
+    ws_hint_frac: float = (
+        0.3  # share of teacher turns with the corrector's hint block before the action
+    )
+    ws_route_frac: float = (
+        0.05  # share of legs the teacher starts with the route tool (1: the oracle's episodes)
+    )
+    ws_obs_weight: float = 1.0  # auxiliary next-token loss on observation tokens
     ws_out: str = rti.WARMSTART_DIR
 
     def validate(self) -> None:
         def need(ok, name, why):
             if not ok:
                 raise ValueError(f"--{name.replace('_', '-')}: {why}, got {getattr(self, name)!r}")
-        need(self.ws_split in envs.SPLITS, "ws_split", f"must be a Navigation split: {list(envs.SPLITS)}")
-        need(self.ws_steps >= 1 and self.ws_batch >= 1, "ws_steps", "ws_steps and ws_batch must be >= 1")
+
+        need(
+            self.ws_split in envs.SPLITS,
+            "ws_split",
+            f"must be a Navigation split: {list(envs.SPLITS)}",
+        )
+        need(
+            self.ws_steps >= 1 and self.ws_batch >= 1,
+            "ws_steps",
+            "ws_steps and ws_batch must be >= 1",
+        )
         need(self.ws_lr > 0, "ws_lr", "must be > 0")
         need(0 <= self.ws_hint_frac <= 1, "ws_hint_frac", "must be in [0, 1]")
         need(0 <= self.ws_route_frac <= 1, "ws_route_frac", "must be in [0, 1]")
         super().validate()
 
 
-def teacher_sequence(chat: rti.Chat, task, rng: random.Random, hint_frac: float, obs_weight: float,
-                     route_frac: float):
+def teacher_sequence(
+    chat: rti.Chat, task, rng: random.Random, hint_frac: float, obs_weight: float, route_frac: float
+):
     """Token ids and per-token loss weights of a teacher's successful episode for `task`.
 
     The teacher sees the map: it walks shortest paths, starting a share `route_frac` of legs with the `route` tool
@@ -75,16 +91,22 @@ def teacher_sequence(chat: rti.Chat, task, rng: random.Random, hint_frac: float,
         plain = piece(content)
         w, best = [obs_weight] * len(plain), env.optimal_action()
         if rng.random() < hint_frac:
-            reason = env.check_step(rng.choice([a for a in envs.ACTIONS if not env.check_step(a).valid])).reason
+            reason = env.check_step(
+                rng.choice([a for a in envs.ACTIONS if not env.check_step(a).valid])
+            ).reason
             hinted = piece(content + " " + intervene.format_hint(reason, env.hint()))
             n_hint = len(hinted) - len(plain)
             w = [obs_weight] * len(hinted)
-            w[len(hinted) - n_post - n_hint:len(hinted) - n_post] = [0.0] * n_hint
+            w[len(hinted) - n_post - n_hint : len(hinted) - n_post] = [0.0] * n_hint
             plain, action = hinted, best
         elif env.route or best == "finish":
             action = best
         else:
-            action = "route" if leg < env.visited and rng.random() < route_frac else env.shortest_moves()[0]
+            action = (
+                "route"
+                if leg < env.visited and rng.random() < route_frac
+                else env.shortest_moves()[0]
+            )
         leg = env.visited
         agent = chat.action_ids(action) + [chat.eos_id]
         ids += plain + agent
@@ -100,24 +122,43 @@ def warmstart(cfg: WarmStartConfig, log=print):
     model, tok = rti.load_model(cfg.model, cfg.seed)
     chat, tasks, rng = rti.Chat(tok), envs.make_tasks(cfg.ws_split), random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.ws_lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (
-        1 + math.cos(math.pi * min(s, cfg.ws_steps) / max(1, cfg.ws_steps))))   # 50 warm-up steps, then cosine
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / 50)
+            * 0.5
+            * (1 + math.cos(math.pi * min(s, cfg.ws_steps) / max(1, cfg.ws_steps)))
+        ),
+    )  # 50 warm-up steps, then cosine
     model.train()
     t0, losses, batches = time.time(), [], []
     bar = tqdm(range(cfg.ws_steps), desc="warm start", disable=not cfg.progress, file=sys.stderr)
     for step in bar:
-        if not batches:   # draw 8 batches at once and group similar lengths: less padding, same data
-            pool = sorted((teacher_sequence(chat, rng.choice(tasks), rng, cfg.ws_hint_frac, cfg.ws_obs_weight,
-                                            cfg.ws_route_frac)
-                           for _ in range(8 * cfg.ws_batch)), key=lambda b: len(b[0]))
-            batches = [pool[i:i + cfg.ws_batch] for i in range(0, len(pool), cfg.ws_batch)]
+        if not batches:  # draw 8 batches at once and group similar lengths: less padding, same data
+            pool = sorted(
+                (
+                    teacher_sequence(
+                        chat,
+                        rng.choice(tasks),
+                        rng,
+                        cfg.ws_hint_frac,
+                        cfg.ws_obs_weight,
+                        cfg.ws_route_frac,
+                    )
+                    for _ in range(8 * cfg.ws_batch)
+                ),
+                key=lambda b: len(b[0]),
+            )
+            batches = [pool[i : i + cfg.ws_batch] for i in range(0, len(pool), cfg.ws_batch)]
             rng.shuffle(batches)
         batch = batches.pop()
         ids = rti.pad_rows([b[0] for b in batch], tok.pad_token_id, torch.long, model.device)
         mask = rti.pad_rows([[1] * len(b[0]) for b in batch], 0, torch.long, model.device)
         w = rti.pad_rows([b[1] for b in batch], 0.0, torch.float32, model.device)[:, 1:].reshape(-1)
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+        ce = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+        )
         loss = (ce * w).sum() / w.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -129,11 +170,18 @@ def warmstart(cfg: WarmStartConfig, log=print):
             bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}")
     model.save_pretrained(cfg.ws_out)
     tok.save_pretrained(cfg.ws_out)
-    info = {"steps": cfg.ws_steps, "seconds": round(time.time() - t0, 1), "first_loss": (losses or [math.nan])[0],
-            "last_loss": float(np.mean(losses[-20:] or [math.nan])), "config": dataclasses.asdict(cfg)}
+    info = {
+        "steps": cfg.ws_steps,
+        "seconds": round(time.time() - t0, 1),
+        "first_loss": (losses or [math.nan])[0],
+        "last_loss": float(np.mean(losses[-20:] or [math.nan])),
+        "config": dataclasses.asdict(cfg),
+    }
     (Path(cfg.ws_out) / "warmstart.json").write_text(json.dumps(info, indent=1))
-    log(f"warm start: {cfg.ws_steps} steps in {info['seconds']} s, loss {info['first_loss']:.3f} -> "
-        f"{info['last_loss']:.3f}, saved to {cfg.ws_out}")
+    log(
+        f"warm start: {cfg.ws_steps} steps in {info['seconds']} s, loss {info['first_loss']:.3f} -> "
+        f"{info['last_loss']:.3f}, saved to {cfg.ws_out}"
+    )
     return model, tok, losses
 
 
@@ -142,7 +190,7 @@ def tool_use(trajs) -> dict:
     it worked on), `legs_routed` (share of those legs with a call), `valid_with_route` (share of actions taken while
     holding a route that pass the step check) and `valid_without_route` (the same without one)."""
     calls = legs = routed = 0
-    valid = {True: [0, 0], False: [0, 0]}     # holding a route -> [valid, all]
+    valid = {True: [0, 0], False: [0, 0]}  # holding a route -> [valid, all]
     for t in trajs:
         env, seen = envs.Navigation(t.task), set()
         for action in t.actions:
@@ -154,8 +202,12 @@ def tool_use(trajs) -> dict:
         legs += min(env.visited + 1, len(t.task.waypoints))
         routed += len(seen)
     share = lambda v: v[0] / max(1, v[1])
-    return {"route_calls_per_leg": calls / max(1, legs), "legs_routed": routed / max(1, legs),
-            "valid_with_route": share(valid[True]), "valid_without_route": share(valid[False])}
+    return {
+        "route_calls_per_leg": calls / max(1, legs),
+        "legs_routed": routed / max(1, legs),
+        "valid_with_route": share(valid[True]),
+        "valid_without_route": share(valid[False]),
+    }
 
 
 def report(cfg: WarmStartConfig, model_dir: str, log=print) -> dict:
@@ -165,18 +217,30 @@ def report(cfg: WarmStartConfig, model_dir: str, log=print) -> dict:
     model, tok = rti.load_model(model_dir, cfg.seed)
     sampler = rti.Sampler(model, tok, cfg.temperature, cfg.top_p, cfg.max_turn_tokens, cfg.seed)
     with torch.no_grad():
-        test = rti.rollout(sampler, envs.Navigation.tasks(cfg.test_split)[:cfg.eval_tasks], cfg.eval_samples, 1234)
-        train = rti.rollout(sampler, envs.Navigation.tasks(cfg.train_split)[:cfg.batch_tasks], cfg.group_size, 99)
+        test = rti.rollout(
+            sampler, envs.Navigation.tasks(cfg.test_split)[: cfg.eval_tasks], cfg.eval_samples, 1234
+        )
+        train = rti.rollout(
+            sampler, envs.Navigation.tasks(cfg.train_split)[: cfg.batch_tasks], cfg.group_size, 99
+        )
     groups = group_rows([t.group for t in train]).values()
-    out = {"test_p@1": 100 * float(np.mean([t.reward for t in test])), "train_all_fail": float(np.mean(
-        [max(train[i].reward for i in rows) == 0 for rows in groups])), "train_p@1": 100 * float(np.mean([t.reward for t in train])),
-        **{f"test_{k}": v for k, v in tool_use(test).items()}, **{f"train_{k}": v for k, v in tool_use(train).items()}}
+    out = {
+        "test_p@1": 100 * float(np.mean([t.reward for t in test])),
+        "train_all_fail": float(
+            np.mean([max(train[i].reward for i in rows) == 0 for rows in groups])
+        ),
+        "train_p@1": 100 * float(np.mean([t.reward for t in train])),
+        **{f"test_{k}": v for k, v in tool_use(test).items()},
+        **{f"train_{k}": v for k, v in tool_use(train).items()},
+    }
     log(f"{model_dir}: " + ", ".join(f"{k} {v:.3f}" for k, v in out.items()))
     return out
 
 
 def main(argv=None) -> None:
-    command, path, cfg = rti.parse_args(argv, WarmStartConfig, ("warmstart", "report"), prog="-m extras.warmstart")
+    command, path, cfg = rti.parse_args(
+        argv, WarmStartConfig, ("warmstart", "report"), prog="-m extras.warmstart"
+    )
     torch.set_num_threads(cfg.threads)
     if command == "report":
         report(cfg, path or cfg.ws_out)

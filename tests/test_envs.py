@@ -1,5 +1,6 @@
 """Tests for envs.py: splits, the route tool, rubric, step checks, robustness, run_actions, task validation,
 vocabulary, render, the audit."""
+
 import json
 import random
 from collections import deque
@@ -7,11 +8,30 @@ from dataclasses import asdict
 
 import pytest
 
-from envs import (ACTIONS, RUBRIC_ITEMS, RULES, SPLITS, NavTask, Navigation, context_action, greedy_action, make_tasks,
-                  optimal_actions, pass_at_1, render, run_actions, undecidable_flags)
+from envs import (
+    ACTIONS,
+    RUBRIC_ITEMS,
+    RULES,
+    SPLITS,
+    NavTask,
+    Navigation,
+    context_action,
+    greedy_action,
+    make_tasks,
+    optimal_actions,
+    pass_at_1,
+    render,
+    run_actions,
+    undecidable_flags,
+)
 
 STEP = {"move up": (-1, 0), "move down": (1, 0), "move left": (0, -1), "move right": (0, 1)}
-REVERSE = {"move up": "move down", "move down": "move up", "move left": "move right", "move right": "move left"}
+REVERSE = {
+    "move up": "move down",
+    "move down": "move up",
+    "move left": "move right",
+    "move right": "move left",
+}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +47,12 @@ def ref_dist(task, goal):
         r, c = q.popleft()
         for dr, dc in STEP.values():
             n = (r + dr, c + dc)
-            if 0 <= n[0] < task.height and 0 <= n[1] < task.width and n not in walls and n not in dist:
+            if (
+                0 <= n[0] < task.height
+                and 0 <= n[1] < task.width
+                and n not in walls
+                and n not in dist
+            ):
                 dist[n] = dist[(r, c)] + 1
                 q.append(n)
     return dist
@@ -57,6 +82,7 @@ ALL_PASS = dict.fromkeys(RUBRIC_ITEMS, True)
 
 # ----------------------------------------------------------------------------- splits
 
+
 def test_same_seed_same_tasks_and_prefix():
     a, b = make_tasks("test"), make_tasks("test")
     assert [asdict(t) for t in a] == [asdict(t) for t in b]
@@ -85,7 +111,9 @@ def test_every_task_solvable_and_optimal_passes(splits):
             assert None not in legs, t.task_id
             acts = optimal_actions(t)
             assert acts.count("route") == len(legs) and acts[0] == "route" and acts[-1] == "finish"
-            assert len(acts) == sum(legs) + len(legs) + 1     # one route a leg, shortest moves, then finish
+            assert (
+                len(acts) == sum(legs) + len(legs) + 1
+            )  # one route a leg, shortest moves, then finish
             assert t.max_turns == len(acts) + spec.slack <= spec.turn_cap
             assert items(t, acts) == ALL_PASS, t.task_id
 
@@ -95,8 +123,11 @@ def test_optimal_moves_break_ties_in_action_order(splits):
         acts, pos, nxt = [a for a in optimal_actions(t) if a != "route"], tuple(t.start), 0
         for a in acts[:-1]:
             d = ref_dist(t, t.waypoints[nxt])
-            shortest = [b for b in ACTIONS[:4] if free(t, pos, b)
-                        and d[(pos[0] + STEP[b][0], pos[1] + STEP[b][1])] == d[pos] - 1]
+            shortest = [
+                b
+                for b in ACTIONS[:4]
+                if free(t, pos, b) and d[(pos[0] + STEP[b][0], pos[1] + STEP[b][1])] == d[pos] - 1
+            ]
             assert a == shortest[0]
             pos = (pos[0] + STEP[a][0], pos[1] + STEP[a][1])
             nxt += list(pos) == t.waypoints[nxt]
@@ -105,9 +136,10 @@ def test_optimal_moves_break_ties_in_action_order(splits):
 
 # ----------------------------------------------------------------------------- the route tool
 
+
 def held_route(obs):
     words = obs.split()
-    return words[words.index("route") + 1:words.index(".")] if "route" in words else []
+    return words[words.index("route") + 1 : words.index(".")] if "route" in words else []
 
 
 def test_route_shows_a_shortest_path_and_its_remainder_until_left_or_reached(splits):
@@ -115,15 +147,22 @@ def test_route_shows_a_shortest_path_and_its_remainder_until_left_or_reached(spl
         env, nxt = Navigation(t), 0
         route = held_route(env.step("route")[0])
         d = ref_dist(t, t.waypoints[0])
-        assert len(route) == d[tuple(t.start)] and env.turns == 1 and env.pos == tuple(t.start)   # a turn, no move
+        assert (
+            len(route) == d[tuple(t.start)] and env.turns == 1 and env.pos == tuple(t.start)
+        )  # a turn, no move
         pos = tuple(t.start)
-        for k, direction in enumerate(route):                      # each cell of it is one move closer
+        for k, direction in enumerate(route):  # each cell of it is one move closer
             step = STEP[f"move {direction}"]
-            assert free(t, pos, f"move {direction}") and d[(pos[0] + step[0], pos[1] + step[1])] == d[pos] - 1
+            assert (
+                free(t, pos, f"move {direction}")
+                and d[(pos[0] + step[0], pos[1] + step[1])] == d[pos] - 1
+            )
             pos = (pos[0] + step[0], pos[1] + step[1])
             obs = env.step(f"move {direction}")[0]
-            assert held_route(obs) == route[k + 1:]                # the remainder opens each observation
-        assert list(pos) == t.waypoints[0] and env.visited == 1 and not env.route   # reached: dropped
+            assert held_route(obs) == route[k + 1 :]  # the remainder opens each observation
+        assert (
+            list(pos) == t.waypoints[0] and env.visited == 1 and not env.route
+        )  # reached: dropped
         # leaving the route drops it; a wall hit keeps it; calling it again is a repeat
         env = Navigation(t)
         route = held_route(env.step("route")[0])
@@ -138,6 +177,7 @@ def test_route_shows_a_shortest_path_and_its_remainder_until_left_or_reached(spl
 
 
 # ----------------------------------------------------------------------------- rubric
+
 
 def find_wall_move(task, acts):
     for i, pos in enumerate(positions(task, acts)):
@@ -173,11 +213,13 @@ def test_detours_within_slack_pass_and_past_max_turns_fail(splits):
         acts = optimal_actions(t)
         a = next(a for a in STEP if free(t, t.start, a))
         slack = t.max_turns - len(acts)
-        fits = [a, REVERSE[a]] * (slack // 2) + acts            # exactly max_turns turns
+        fits = [a, REVERSE[a]] * (slack // 2) + acts  # exactly max_turns turns
         assert items(t, fits) == ALL_PASS
-        over = [a, REVERSE[a]] * (slack // 2 + 1) + acts        # 2 turns too many
+        over = [a, REVERSE[a]] * (slack // 2 + 1) + acts  # 2 turns too many
         env = run_actions(t, over)
-        assert env.done and env.turns == t.max_turns and env.observations[-1].endswith("out of turns")
+        assert (
+            env.done and env.turns == t.max_turns and env.observations[-1].endswith("out of turns")
+        )
         got = env.score().items
         assert got["within_turn_limit"] is False and got["finished_at_goal"] is False
         assert got["no_wall_hits"] is True
@@ -195,6 +237,7 @@ def test_malformed_action_is_not_a_wall_hit():
 
 # ----------------------------------------------------------------------------- step checks
 
+
 def checks_along(task, actions):
     env, out = Navigation(task), []
     for a in actions:
@@ -210,8 +253,11 @@ def detour_moves(task, acts):
         if a == "route":
             continue
         d = ref_dist(task, task.waypoints[nxt])
-        out += [(i, b) for b in STEP if free(task, pos, b)
-                and d[(pos[0] + STEP[b][0], pos[1] + STEP[b][1])] != d[pos] - 1]
+        out += [
+            (i, b)
+            for b in STEP
+            if free(task, pos, b) and d[(pos[0] + STEP[b][0], pos[1] + STEP[b][1])] != d[pos] - 1
+        ]
         pos = (pos[0] + STEP[a][0], pos[1] + STEP[a][1])
         nxt += list(pos) == task.waypoints[nxt]
     return out
@@ -221,15 +267,21 @@ def detour_moves(task, acts):
 def test_step_check_flags_exactly_the_wrong_step(splits, kind):
     for t in splits["test"][:10]:
         acts = optimal_actions(t)
-        if kind == "detour":      # no route held: the hint is the tool, not the hidden direction
+        if kind == "detour":  # no route held: the hint is the tool, not the hidden direction
             acts = [a for a in acts if a != "route"]
             cands = detour_moves(t, acts)
             i, b = cands[len(cands) // 2]
-            script, rule = acts[:i] + [b, REVERSE[b]] + acts[i:], f"detour {b} is not on a shortest path ; next "
+            script, rule = (
+                acts[:i] + [b, REVERSE[b]] + acts[i:],
+                f"detour {b} is not on a shortest path ; next ",
+            )
             assert checks_along(t, script)[i].reason.endswith(" do route")
         elif kind == "detour off the route":
             i, b = next((i, b) for i, b in detour_moves(t, acts) if acts[i] != "route")
-            script, rule = acts[:i] + [b, REVERSE[b]] + acts[i:], f"detour {b} leaves the route ; next "
+            script, rule = (
+                acts[:i] + [b, REVERSE[b]] + acts[i:],
+                f"detour {b} leaves the route ; next ",
+            )
             assert checks_along(t, script)[i].reason.endswith(f" do {acts[i]}")
         else:
             i, b = find_wall_move(t, acts)
@@ -248,32 +300,67 @@ def test_step_check_rules():
     t = NavTask("t", 3, 3, [[1, 2]], [0, 0], [[2, 0], [2, 2]], 9)
     env = Navigation(t)
     assert env.check_step("move up").reason == "wall move up leaves the grid ; next A 2 0 do route"
-    assert env.check_step("move right").reason == "detour move right is not on a shortest path ; next A 2 0 do route"
-    assert env.check_step("finish").reason == "early finish before visiting all waypoints ; next A 2 0 do route"
-    assert env.check_step(" hop ").reason == "unknown action is not a valid tool call ; next A 2 0 do route"
-    assert env.check_step("move down") == env.check_step(" move down\n") == env.check_step("move down")
-    assert env.check_step("move down").valid and env.check_step("route").valid and env.hint() == "next A 2 0 do route"
+    assert (
+        env.check_step("move right").reason
+        == "detour move right is not on a shortest path ; next A 2 0 do route"
+    )
+    assert (
+        env.check_step("finish").reason
+        == "early finish before visiting all waypoints ; next A 2 0 do route"
+    )
+    assert (
+        env.check_step(" hop ").reason
+        == "unknown action is not a valid tool call ; next A 2 0 do route"
+    )
+    assert (
+        env.check_step("move down") == env.check_step(" move down\n") == env.check_step("move down")
+    )
+    assert (
+        env.check_step("move down").valid
+        and env.check_step("route").valid
+        and env.hint() == "next A 2 0 do route"
+    )
     assert env.step("route") == ("route down down . pos 0 0 next A 2 0 blocked up left", False)
-    assert env.check_step("move right").reason == "detour move right leaves the route ; next A 2 0 do move down"
-    assert env.check_step("route").reason == "repeat route is already held ; next A 2 0 do move down"
+    assert (
+        env.check_step("move right").reason
+        == "detour move right leaves the route ; next A 2 0 do move down"
+    )
+    assert (
+        env.check_step("route").reason == "repeat route is already held ; next A 2 0 do move down"
+    )
     for a in ("move down", "move down"):
         env.step(a)
     assert env.hint() == "next B 2 2 do route" and not env.route
-    env.step("move right")                                   # no route, on a shortest path: fine
-    assert env.check_step("move up").reason == "detour move up is not on a shortest path ; next B 2 2 do route"
+    env.step("move right")  # no route, on a shortest path: fine
+    assert (
+        env.check_step("move up").reason
+        == "detour move up is not on a shortest path ; next B 2 2 do route"
+    )
     env.step("move right")
-    assert env.check_step("move up").reason == "stop move up after visiting all waypoints ; next finish do finish"
-    assert env.check_step("route").reason == "stop route after visiting all waypoints ; next finish do finish"
+    assert (
+        env.check_step("move up").reason
+        == "stop move up after visiting all waypoints ; next finish do finish"
+    )
+    assert (
+        env.check_step("route").reason
+        == "stop route after visiting all waypoints ; next finish do finish"
+    )
     assert env.check_step("finish").valid and env.optimal_action() == "finish"
     env.step("move left")  # wander off the goal: finishing there is early, coming back is the way
     assert env.hint() == "next finish at B 2 2 do route"
-    assert env.check_step("finish").reason == "early finish away from B ; next finish at B 2 2 do route"
+    assert (
+        env.check_step("finish").reason
+        == "early finish away from B ; next finish at B 2 2 do route"
+    )
     assert env.step("route") == ("route right . pos 2 1 next finish at B 2 2 blocked down", False)
     assert env.step("move right") == ("pos 2 2 next finish blocked up down right", False)
     assert env.step("finish") == ("episode over pos 2 2 next finish blocked up down right", True)
     assert env.score().items == ALL_PASS and env.turns == 9
     assert env.check_step("finish").reason.startswith("over the episode is over ;")
-    assert env.step("move up") == ("error episode over pos 2 2 next finish blocked up down right", True)
+    assert env.step("move up") == (
+        "error episode over pos 2 2 next finish blocked up down right",
+        True,
+    )
     assert env.turns == 9 and len(env.actions) == 9
     away = ["move down", "move down", "move right", "move right", "move left", "finish"]
     assert items(t, away) == {**ALL_PASS, "finished_at_goal": False}
@@ -281,8 +368,25 @@ def test_step_check_rules():
 
 # ----------------------------------------------------------------------------- robustness, run_actions
 
-GARBAGE = ["", " ", "\n", "move", "move  up", "MOVE UP", "finish now", "move up finish", "ⓜove up",
-           "移动", "\x00", "🙂" * 50, "x" * 10000, "move upp", "up", "<hint>", "{\"tool\": \"move\"}"]
+GARBAGE = [
+    "",
+    " ",
+    "\n",
+    "move",
+    "move  up",
+    "MOVE UP",
+    "finish now",
+    "move up finish",
+    "ⓜove up",
+    "移动",
+    "\x00",
+    "🙂" * 50,
+    "x" * 10000,
+    "move upp",
+    "up",
+    "<hint>",
+    '{"tool": "move"}',
+]
 
 
 def random_action(rng):
@@ -305,7 +409,9 @@ def test_random_episodes_never_raise_and_stay_in_vocabulary(splits):
     assert len(vocab) == len(Navigation.vocabulary())
     assert {w for a in ACTIONS for w in a.split()} <= vocab
     rng = random.Random(0)
-    tasks = splits["test"][:40] + splits["easy"][:40] + [NavTask("t", 1, 2, [], [0, 0], [[0, 1]], 3)]
+    tasks = (
+        splits["test"][:40] + splits["easy"][:40] + [NavTask("t", 1, 2, [], [0, 0], [[0, 1]], 3)]
+    )
     n_steps = 0
     for ep in range(300):
         t = rng.choice(tasks)
@@ -349,22 +455,26 @@ def test_replay_is_deterministic(splits):
 
 # ----------------------------------------------------------------------------- task validation, render
 
+
 def test_tasks_round_trip_through_json(splits):
     rows = [json.loads(json.dumps(asdict(t))) for t in splits["test"][:5]]
     assert [asdict(NavTask(**r)) for r in rows] == [asdict(t) for t in splits["test"][:5]]
 
 
-@pytest.mark.parametrize("change, why", [
-    ({"height": "7"}, "height"),
-    ({"max_turns": 0}, "max_turns"),
-    ({"walls": [[0, 0, 1]]}, "walls"),
-    ({"waypoints": [[9, 0]]}, "outside"),
-    ({"start": [-1, 0]}, "outside"),
-    ({"waypoints": [[1, 1]]}, "on a wall"),
-    ({"waypoints": []}, "waypoints"),
-    ({"waypoints": [[0, 0]]}, "distinct"),
-    ({"walls": [[0, 1], [1, 0]]}, "unreachable"),
-])
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ({"height": "7"}, "height"),
+        ({"max_turns": 0}, "max_turns"),
+        ({"walls": [[0, 0, 1]]}, "walls"),
+        ({"waypoints": [[9, 0]]}, "outside"),
+        ({"start": [-1, 0]}, "outside"),
+        ({"waypoints": [[1, 1]]}, "on a wall"),
+        ({"waypoints": []}, "waypoints"),
+        ({"waypoints": [[0, 0]]}, "distinct"),
+        ({"walls": [[0, 1], [1, 0]]}, "unreachable"),
+    ],
+)
 def test_bad_tasks_are_refused_with_the_reason(change, why):
     good = asdict(NavTask("g", 3, 3, [[1, 1]], [0, 0], [[2, 2]], 9))
     with pytest.raises(ValueError, match=why):
@@ -390,14 +500,18 @@ def test_render_shows_walls_waypoints_and_path(splits):
 def test_docstring_examples():
     import doctest
     import envs
+
     assert doctest.testmod(envs).failed == 0
 
 
 # ----------------------------------------------------------------------------- the audit
 
+
 def test_context_action_reads_the_latest_message_alone():
     assert context_action("route down left . pos 1 1 next A 2 0 blocked up") == "move down"
-    assert context_action("error hit wall route left . pos 1 1 next A 1 0 blocked up") == "move left"
+    assert (
+        context_action("error hit wall route left . pos 1 1 next A 1 0 blocked up") == "move left"
+    )
     assert context_action("pos 1 1 next A 2 0 blocked up") == "route"
     assert context_action("pos 2 0 next finish blocked down") == "finish"
     assert context_action("pos 2 1 next finish at B 2 2 blocked down") == "route"
@@ -408,7 +522,13 @@ def test_every_flagged_step_asks_for_an_action_the_context_shows(splits, monkeyp
     bad, flagged = undecidable_flags(tasks)
     assert flagged > 500 and bad == 0
     # the check can fail: hints naming the hidden shortest-path direction (no route held) are caught
-    hidden = lambda env: "finish" if env._at_end() else f"move {env.route[0]}" if env.route else env.shortest_moves()[0]
+    hidden = lambda env: (
+        "finish"
+        if env._at_end()
+        else f"move {env.route[0]}"
+        if env.route
+        else env.shortest_moves()[0]
+    )
     monkeypatch.setattr(Navigation, "optimal_action", hidden)
     bad, flagged = undecidable_flags(tasks)
     assert bad > 0.2 * flagged
@@ -418,7 +538,7 @@ def test_baselines_greedy_walker_and_oracle(splits):
     tasks = splits["test"][:40]
     assert pass_at_1(tasks, lambda env, rng: env.optimal_action(), samples=1) == 100.0
     rng = random.Random(0)
-    for t in tasks[:10]:              # the walker never uses the tool and never hits a wall
+    for t in tasks[:10]:  # the walker never uses the tool and never hits a wall
         env = Navigation(t)
         while not env.done:
             a = greedy_action(env, rng)

@@ -1,4 +1,5 @@
 """Tests for evaluate.py: pass@k / pass^k against brute force, the paper's averages, summarize, table."""
+
 from itertools import combinations
 
 import pytest
@@ -35,7 +36,7 @@ def test_summarize_small_example():
     # 3 tasks, n = 4: c = 4, 2, 0.
     s = summarize([[True] * 4, [True, False, True, False], [False] * 4])
     expect_at = [(1 + 2 / 4) / 3, (1 + 5 / 6) / 3, (1 + 1) / 3, (1 + 1) / 3]  # pass@1..4 by hand
-    expect_hat = [(1 + 2 / 4) / 3, (1 + 1 / 6) / 3, 1 / 3, 1 / 3]             # pass^1..4 by hand
+    expect_hat = [(1 + 2 / 4) / 3, (1 + 1 / 6) / 3, 1 / 3, 1 / 3]  # pass^1..4 by hand
     for k in range(1, 5):
         assert s[f"pass@{k}"] == pytest.approx(100 * expect_at[k - 1])
         assert s[f"pass^{k}"] == pytest.approx(100 * expect_hat[k - 1])
@@ -43,7 +44,10 @@ def test_summarize_small_example():
     assert s["avg_p@k"] == pytest.approx(100 * sum(expect_at) / 4)
     assert s["avg_p^k"] == pytest.approx(100 * sum(expect_hat) / 4)
     assert set(s) == {f"pass@{k}" for k in range(1, 5)} | {f"pass^{k}" for k in range(1, 5)} | {
-        "p@1", "avg_p@k", "avg_p^k"}
+        "p@1",
+        "avg_p@k",
+        "avg_p^k",
+    }
 
 
 def test_summarize_k_max_and_more_samples():
@@ -53,12 +57,15 @@ def test_summarize_k_max_and_more_samples():
     assert s["pass^2"] == 0.0
 
 
-@pytest.mark.parametrize("data, k_max", [
-    ([], 4),                                   # no tasks
-    ([[True, False, True]], 4),                # n < k_max
-    ([[True] * 4, [True] * 5], 4),             # different n
-    ([[True] * 4], 0),                         # k_max < 1
-])
+@pytest.mark.parametrize(
+    "data, k_max",
+    [
+        ([], 4),  # no tasks
+        ([[True, False, True]], 4),  # n < k_max
+        ([[True] * 4, [True] * 5], 4),  # different n
+        ([[True] * 4], 0),  # k_max < 1
+    ],
+)
 def test_summarize_bad_input(data, k_max):
     with pytest.raises(ValueError):
         summarize(data, k_max=k_max)
@@ -73,11 +80,15 @@ def test_pass_bad_input(n, c, k):
 
 
 def test_format_table():
-    rows = {"GRPO": summarize([[True, False, False, False]] * 3), "RTI": {"p@1": 57.333, "avg_p@k": 62.3333}}
+    rows = {
+        "GRPO": summarize([[True, False, False, False]] * 3),
+        "RTI": {"p@1": 57.333, "avg_p@k": 62.3333},
+    }
     lines = format_table(rows).splitlines()
     head = [h.strip() for h in lines[0].strip("|").split("|")]
     assert head == ["method", "p@1", "avg p@k", "avg p^k"] + [f"pass@{k}" for k in range(1, 5)] + [
-        f"pass^{k}" for k in range(1, 5)]
+        f"pass^{k}" for k in range(1, 5)
+    ]
     assert lines[1].count("---") == len(head)
     grpo = [x.strip() for x in lines[2].strip("|").split("|")]
     assert grpo[:2] == ["GRPO", "25.00"] and grpo[head.index("pass@4")] == "100.00"
@@ -88,4 +99,5 @@ def test_format_table():
 
 def test_docstring_examples():
     import doctest
+
     assert doctest.testmod(evaluate).failed == 0

@@ -6,6 +6,7 @@ session as the real sampler does; `generate` answers as the corrector / validato
 and records every context it was shown. Trajectories are produced by `rti.rollout` with that policy, so they are
 genuine token sequences.
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,11 +29,20 @@ torch.set_num_threads(1)
 
 # the first 12 tasks of a fixed easy-like split (not envs.SPLITS, which may be retuned)
 SPEC = envs.SplitSpec(7, 7, 0.10, 1, 2, n=12, seed=1)
-EASY = [envs.generate_task(SPEC, random.Random(SPEC.seed * 1_000_003 + i), f"easy-{i:04d}") for i in range(SPEC.n)]
-T_SHORT, T_MID, T_LONG = EASY[6], EASY[1], EASY[5]   # 5, 8 and 11 oracle actions; a wall or edge next to most steps
+EASY = [
+    envs.generate_task(SPEC, random.Random(SPEC.seed * 1_000_003 + i), f"easy-{i:04d}")
+    for i in range(SPEC.n)
+]
+T_SHORT, T_MID, T_LONG = (
+    EASY[6],
+    EASY[1],
+    EASY[5],
+)  # 5, 8 and 11 oracle actions; a wall or edge next to most steps
 FIRST_MESSAGE = {envs.Navigation(t).reset(): t for t in EASY}
 RUBRIC = {envs.Navigation(t).rubric_text(): t for t in EASY}
-ROLE_PROMPT = re.compile(r"\. (rubric visit .*? turns) \. history (.*?)\s?\. (?:proposed|rewritten) step (.*?) \. answer ")
+ROLE_PROMPT = re.compile(
+    r"\. (rubric visit .*? turns) \. history (.*?)\s?\. (?:proposed|rewritten) step (.*?) \. answer "
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +54,11 @@ def tiny():
 def test_scripted_tasks_fit_the_scenarios():
     assert [len(envs.optimal_actions(t)) for t in (T_SHORT, T_MID, T_LONG)] == [5, 8, 11]
     assert len(FIRST_MESSAGE) == len(RUBRIC) == len(EASY)
-    for task, steps in ((T_SHORT, 4), (T_MID, 6), (T_LONG, 5)):   # a wall move exists at each of these states
+    for task, steps in (
+        (T_SHORT, 4),
+        (T_MID, 6),
+        (T_LONG, 5),
+    ):  # a wall move exists at each of these states
         env = envs.Navigation(task)
         for a in envs.optimal_actions(task)[:steps]:
             assert wrong_action(env, "wall") in envs.MOVES
@@ -53,10 +67,13 @@ def test_scripted_tasks_fit_the_scenarios():
 
 # ----------------------------------------------------------------------------- the scripted policy
 
+
 def parse_chat(text: str) -> list[tuple[str, str, bool]]:
     """(role, content, closed) of each message of a decoded tiny-template chat (`<|role|> content [<|im_end|>]`)."""
     msgs = []
-    for role, body in re.findall(r"<\|(user|assistant|system)\|>((?:(?!<\|(?:user|assistant|system)\|>).)*)", text):
+    for role, body in re.findall(
+        r"<\|(user|assistant|system)\|>((?:(?!<\|(?:user|assistant|system)\|>).)*)", text
+    ):
         words = body.split()
         closed = bool(words) and words[-1] == "<|im_end|>"
         msgs.append((role, " ".join(words[:-1] if closed else words), closed))
@@ -72,30 +89,34 @@ def wrong_action(env, kind: str) -> str:
 
 def plan(per_row: list[dict] | None = None, every: dict | None = None):
     """Optimal moves, except at turn k a wrong action: per_row[row][k] (a rollout), or every[k] (any row)."""
+
     def choose(row, task, actions):
         env = envs.run_actions(task, actions)
         kind = (per_row[row] if per_row is not None else every or {}).get(len(actions))
         return wrong_action(env, kind) if kind else env.optimal_action()
+
     return choose
 
 
 @dataclass
 class Query:
     """What a role was asked: the decoded context, and the episode it is about (task, actions so far, env there)."""
+
     role: str
     ids: list
     text: str
     task: object
     actions: list
     env: object
-    hint: str = ""      # corrector: the text inside <hint> ... </hint>
-    action: str = ""    # validator: the proposed step; verifier: the rewrite
-    attempt: int = 0    # how many times this exact context was asked before
+    hint: str = ""  # corrector: the text inside <hint> ... </hint>
+    action: str = ""  # validator: the proposed step; verifier: the rewrite
+    attempt: int = 0  # how many times this exact context was asked before
 
 
 class RecordingSession(rti.DecodeSession):
     """A DecodeSession that also keeps the token ids of each row (what the model has seen) and the row's number when
     the session started (rows are renumbered when finished ones leave)."""
+
     def __init__(self, model, prefixes, pad_id, seeds=None):
         self.tokens = [[] for _ in prefixes]
         self.origin = list(range(len(prefixes)))
@@ -112,7 +133,7 @@ class RecordingSession(rti.DecodeSession):
         super().keep(rows)
 
     def retract(self, row, n_tokens):
-        del self.tokens[row][len(self.tokens[row]) - n_tokens:]
+        del self.tokens[row][len(self.tokens[row]) - n_tokens :]
         super().retract(row, n_tokens)
 
 
@@ -127,7 +148,9 @@ def role_logp(n: int) -> list[float]:
 
 
 class ScriptedPolicy(rti.Sampler):
-    def __init__(self, tiny, max_turn_tokens=4, corrector=None, validator=None, verifier=None, scores=None):
+    def __init__(
+        self, tiny, max_turn_tokens=4, corrector=None, validator=None, verifier=None, scores=None
+    ):
         super().__init__(*tiny, max_turn_tokens=max_turn_tokens)
         self.plan = plan(every={})
         self.corrector = corrector or (lambda q: q.env.optimal_action())
@@ -136,7 +159,9 @@ class ScriptedPolicy(rti.Sampler):
         self.scores = scores
         self.check_logits = False
         self.sessions = 0
-        self.turn_calls: list[tuple[list[int], list[int], list[float]]] = []   # (context, ids, logp) per turn
+        self.turn_calls: list[
+            tuple[list[int], list[int], list[float]]
+        ] = []  # (context, ids, logp) per turn
         self.role_calls: dict[str, list[Query]] = {"corrector": [], "validator": [], "verifier": []}
         self.score_calls: list[list[list[int]]] = []
         self._asked: dict[tuple, int] = {}
@@ -160,16 +185,20 @@ class ScriptedPolicy(rti.Sampler):
 
     def sample_turn(self, session, rows, max_new=None):
         max_new = max_new or self.max_turn_tokens
-        session.saved_logits = {r: session.last_logits[r].clone() for r in rows}   # what retract restores
+        session.saved_logits = {
+            r: session.last_logits[r].clone() for r in rows
+        }  # what retract restores
         ids_out, logp_out = [], []
         for r in rows:
             ctx = list(session.tokens[r])
-            if self.check_logits:   # the cache holds exactly the recorded context
+            if self.check_logits:  # the cache holds exactly the recorded context
                 with torch.no_grad():
                     ref = self.model(input_ids=torch.tensor([ctx])).logits[0, -1]
                 assert torch.allclose(session.last_logits[r], ref, atol=1e-4)
             task, actions = self.episode(ctx)
-            ids = (self.chat.ids(self.plan(session.origin[r], task, actions)) + [self.chat.eos_id])[:max_new]
+            ids = (self.chat.ids(self.plan(session.origin[r], task, actions)) + [self.chat.eos_id])[
+                :max_new
+            ]
             ids_out.append(ids)
             logp_out.append(turn_logp(len(actions), len(ids)))
             self.turn_calls.append((ctx, ids, logp_out[-1]))
@@ -185,12 +214,21 @@ class ScriptedPolicy(rti.Sampler):
             rubric, history, action = ROLE_PROMPT.search(first).groups()
             task = RUBRIC[rubric]
             actions = history.rstrip(" ;").split(" ; ")[1::2] if history else []
-            q = Query(role, ctx, text, task, actions, envs.run_actions(task, actions), action=action)
+            q = Query(
+                role, ctx, text, task, actions, envs.run_actions(task, actions), action=action
+            )
         else:
             task, actions = self.episode(ctx)
             hint = re.search(r"<hint> (.*) </hint>", text)
-            q = Query("corrector", ctx, text, task, actions, envs.run_actions(task, actions),
-                      hint=hint.group(1) if hint else "")
+            q = Query(
+                "corrector",
+                ctx,
+                text,
+                task,
+                actions,
+                envs.run_actions(task, actions),
+                hint=hint.group(1) if hint else "",
+            )
         key = (q.role, tuple(ctx))
         q.attempt = self._asked.get(key, 0)
         self._asked[key] = q.attempt + 1
@@ -220,7 +258,9 @@ def sample(policy, tasks, group_size, mistakes, then=None):
     Afterwards the policy plays `then` ({turn: kind}, for any row; default: optimal) and its records are cleared."""
     policy.plan = plan(per_row=mistakes)
     trajs = rti.rollout(policy, tasks, group_size)
-    for t, m in zip(trajs, mistakes):      # wall hits and early finishes fail; the optimal path succeeds
+    for t, m in zip(
+        trajs, mistakes
+    ):  # wall hits and early finishes fail; the optimal path succeeds
         assert t.reward == (0.0 if m else 1.0)
     policy.plan = plan(every=then or {})
     policy.reset_records()
@@ -230,18 +270,37 @@ def sample(policy, tasks, group_size, mistakes, then=None):
 def run(policy, trajs, config):
     out, counts = intervene.intervene_batch(policy, trajs, config, policy.make_env)
     stats = evaluate.intervention_rates(counts)
-    assert stats["corrections_accepted"] + stats["corrections_rejected"] == stats["steps_flagged"]   # Table 6's
+    assert (
+        stats["corrections_accepted"] + stats["corrections_rejected"] == stats["steps_flagged"]
+    )  # Table 6's
     return out, stats
 
 
 def cfg(**kw) -> RTIConfig:
-    kw.setdefault("ppl_gate", False)   # the untrained tiny model's PPL is far above any sensible ppl_max
+    kw.setdefault(
+        "ppl_gate", False
+    )  # the untrained tiny model's PPL is far above any sensible ppl_max
     return RTIConfig(**kw)
 
 
 def snapshot(trajs):
-    return copy.deepcopy([(t.ids, t.loss_mask, t.source, t.sample_logp, t.actions, t.turns, t.observations,
-                           t.reward, t.rubric, t.intervention) for t in trajs])
+    return copy.deepcopy(
+        [
+            (
+                t.ids,
+                t.loss_mask,
+                t.source,
+                t.sample_logp,
+                t.actions,
+                t.turns,
+                t.observations,
+                t.reward,
+                t.rubric,
+                t.intervention,
+            )
+            for t in trajs
+        ]
+    )
 
 
 def span(t, k) -> range:
@@ -255,27 +314,50 @@ def assert_unchanged(out, trajs, rows):
 
 # ----------------------------------------------------------------------------- 1. trigger and selection
 
+
 def test_group_with_a_success_is_not_intervened_on(tiny):
     policy = ScriptedPolicy(tiny)
-    mistakes = [{}, {1: "wall"}, {0: "wall"}, {2: "finish"},           # group 0: one success among failures
-                {1: "wall"}, {0: "wall"}, {2: "wall"}, {1: "finish"}]  # group 1: every trajectory fails
+    mistakes = [
+        {},
+        {1: "wall"},
+        {0: "wall"},
+        {2: "finish"},  # group 0: one success among failures
+        {1: "wall"},
+        {0: "wall"},
+        {2: "wall"},
+        {1: "finish"},
+    ]  # group 1: every trajectory fails
     trajs = sample(policy, [T_MID, T_SHORT], 4, mistakes)
     assert [t.group for t in trajs] == [0] * 4 + [1] * 4
     before = snapshot(trajs)
     out, stats = run(policy, trajs, cfg())
     assert stats["groups"] == 2 and stats["groups_triggered"] == 1 and stats["trigger_rate"] == 0.5
-    assert stats["intervened"] == 2                     # default: half of the triggered group
+    assert stats["intervened"] == 2  # default: half of the triggered group
     assert_unchanged(out, trajs, [0, 1, 2, 3, 6, 7])
-    assert [out[i].reward for i in (4, 5)] == [1.0, 1.0] and out[4].intervention and out[5].intervention
-    assert all(q.task is T_SHORT for q in policy.role_calls["corrector"])   # group 0 was never replayed
-    assert snapshot(trajs) == before                    # the sampled trajectories are not modified
+    assert (
+        [out[i].reward for i in (4, 5)] == [1.0, 1.0]
+        and out[4].intervention
+        and out[5].intervention
+    )
+    assert all(
+        q.task is T_SHORT for q in policy.role_calls["corrector"]
+    )  # group 0 was never replayed
+    assert snapshot(trajs) == before  # the sampled trajectories are not modified
 
 
 @pytest.mark.parametrize("per_group,corrected", [(1, [4]), (3, [4, 5, 6]), (4, [4, 5, 6, 7])])
 def test_only_the_first_intervene_per_group_failures_are_corrected(tiny, per_group, corrected):
     policy = ScriptedPolicy(tiny)
-    mistakes = [{}, {1: "wall"}, {0: "wall"}, {2: "finish"},
-                {1: "wall"}, {0: "wall"}, {2: "wall"}, {1: "finish"}]
+    mistakes = [
+        {},
+        {1: "wall"},
+        {0: "wall"},
+        {2: "finish"},
+        {1: "wall"},
+        {0: "wall"},
+        {2: "wall"},
+        {1: "finish"},
+    ]
     trajs = sample(policy, [T_MID, T_SHORT], 4, mistakes)
     out, stats = run(policy, trajs, cfg(intervene_per_group=per_group))
     assert stats["intervened"] == len(corrected) == stats["corrected_successes"]
@@ -298,31 +380,42 @@ def test_no_triggered_group_returns_the_batch_untouched(tiny):
 
 # ----------------------------------------------------------------------------- 2. the validator's first flag
 
+
 @pytest.mark.parametrize("k1,k2", [(0, 2), (1, 3), (3, 4)])
 def test_validator_flags_exactly_the_first_wrong_step(tiny, k1, k2):
-    policy = ScriptedPolicy(tiny, corrector=lambda q: wrong_action(q.env, "wall"))   # every rewrite is rejected
+    policy = ScriptedPolicy(
+        tiny, corrector=lambda q: wrong_action(q.env, "wall")
+    )  # every rewrite is rejected
     trajs = sample(policy, [T_MID], 2, [{k1: "wall", k2: "wall"}, {0: "finish"}])
     orig = trajs[0]
     out, stats = run(policy, trajs, cfg(intervene_per_group=1))
     assert stats["steps_checked"] == k1 + 1 and stats["steps_flagged"] == 1
-    assert stats["corrections_rejected"] == 1 and stats["correction_attempts"] == 3 and out[0] is orig
+    assert (
+        stats["corrections_rejected"] == 1 and stats["correction_attempts"] == 3 and out[0] is orig
+    )
     env = envs.run_actions(orig.task, orig.actions[:k1])
     reason = env.check_step(orig.actions[k1]).reason
     assert reason.startswith("wall") and reason.endswith(env.hint())
     calls = policy.role_calls["corrector"]
     assert len(calls) == 3
-    for q in calls:     # the corrector saw the episode up to the flagged step plus the validator's reason
+    for (
+        q
+    ) in calls:  # the corrector saw the episode up to the flagged step plus the validator's reason
         assert q.actions == orig.actions[:k1] and q.hint == reason
-        block = f"<hint> {reason} </hint>"      # the reason already ends with the hint: stated once
+        block = f"<hint> {reason} </hint>"  # the reason already ends with the hint: stated once
         if k1 == 0:
             assert q.ids == policy.chat.prompt_ids(orig.observations[0] + " " + block)
         else:
-            assert q.ids == orig.ids[:orig.turns[k1 - 1][1]] + policy.chat.turn_ids(orig.observations[k1] + " " + block)
+            assert q.ids == orig.ids[: orig.turns[k1 - 1][1]] + policy.chat.turn_ids(
+                orig.observations[k1] + " " + block
+            )
 
 
 def test_replay_validates_trajectories_of_different_lengths_in_lockstep(tiny):
-    policy = ScriptedPolicy(tiny, corrector=lambda q: "move")       # unknown action: always rejected
-    trajs = sample(policy, [T_MID], 4, [{1: "wall", 3: "wall"}, {3: "wall"}, {0: "wall"}, {0: "wall"}])
+    policy = ScriptedPolicy(tiny, corrector=lambda q: "move")  # unknown action: always rejected
+    trajs = sample(
+        policy, [T_MID], 4, [{1: "wall", 3: "wall"}, {3: "wall"}, {0: "wall"}, {0: "wall"}]
+    )
     out, stats = run(policy, trajs, cfg())
     assert stats["intervened"] == 2
     assert stats["steps_checked"] == (1 + 1) + (3 + 1) and stats["steps_flagged"] == 2
@@ -332,17 +425,18 @@ def test_replay_validates_trajectories_of_different_lengths_in_lockstep(tiny):
 
 # ----------------------------------------------------------------------------- 3. execution and continuation
 
+
 def replay_tokens_match(policy, t):
     """Replaying t.actions in a fresh env reproduces the prompt and every observation embedded in t.ids."""
     chat = policy.chat
     env = envs.Navigation(t.task)
-    assert t.ids[:t.turns[0][0]] == chat.prompt_ids(env.reset())
+    assert t.ids[: t.turns[0][0]] == chat.prompt_ids(env.reset())
     assert len(t.turns) == len(t.actions)
     for k, action in enumerate(t.actions):
         assert chat.action_text(t.ids[slice(*t.turns[k])]) == action
         obs, done = env.step(action)
         if k + 1 < len(t.actions):
-            assert not done and t.ids[t.turns[k][1]:t.turns[k + 1][0]] == chat.turn_ids(obs)
+            assert not done and t.ids[t.turns[k][1] : t.turns[k + 1][0]] == chat.turn_ids(obs)
             assert t.observations[k + 1] == obs
         else:
             assert done and t.turns[k][1] == len(t.ids)
@@ -353,33 +447,45 @@ def replay_tokens_match(policy, t):
 
 @pytest.mark.parametrize("task,k", [(T_LONG, 0), (T_MID, 2), (T_LONG, 3)])
 def test_rewrite_is_executed_and_the_policy_continues_from_the_new_state(tiny, task, k):
-    def rewrite(q):   # the last valid move: at T_LONG's start a move, where the policy would call the route tool
+    def rewrite(
+        q,
+    ):  # the last valid move: at T_LONG's start a move, where the policy would call the route tool
         return [a for a in envs.MOVES if q.env.check_step(a).valid][-1]
+
     policy = ScriptedPolicy(tiny, corrector=rewrite)
     trajs = sample(policy, [task], 2, [{k: "wall"}, {0: "finish"}])
     orig = trajs[0]
     policy.check_logits = True
     out, stats = run(policy, trajs, cfg(intervene_per_group=1))
     t = out[0]
-    assert t is not orig and stats["corrections_accepted"] == 1 and stats["corrected_successes"] == 1
+    assert (
+        t is not orig and stats["corrections_accepted"] == 1 and stats["corrected_successes"] == 1
+    )
     rewritten = rewrite(policy.role_calls["corrector"][0])
     assert t.actions[:k] == orig.actions[:k] and t.actions[k] == rewritten != orig.actions[k]
     assert t.ids[slice(*t.turns[k])] == policy.chat.ids(rewritten) + [policy.chat.eos_id]
-    assert t.ids[:orig.turns[k][0]] == orig.ids[:orig.turns[k][0]] and t.turns[:k] == orig.turns[:k]
+    assert (
+        t.ids[: orig.turns[k][0]] == orig.ids[: orig.turns[k][0]] and t.turns[:k] == orig.turns[:k]
+    )
     # the rest is what the scripted policy sampled, each turn from the trajectory's own tokens so far
     assert len(policy.turn_calls) == len(t.actions) - k - 1
     for j, (ctx, ids, logp) in enumerate(policy.turn_calls):
         turn = k + 1 + j
-        assert ctx == t.ids[:t.turns[turn][0]]
+        assert ctx == t.ids[: t.turns[turn][0]]
         assert ids == t.ids[slice(*t.turns[turn])] and logp == t.sample_logp[slice(*t.turns[turn])]
-    env = envs.run_actions(orig.task, t.actions[:k + 1])
+    env = envs.run_actions(orig.task, t.actions[: k + 1])
     expected = []
     while not env.done:
         expected.append(env.optimal_action())
         env.step(expected[-1])
-    assert t.actions[k + 1:] == expected
-    if (task, k) == (T_LONG, 0):    # a different first move: the whole rest differs from the optimal episode
-        assert rewritten != envs.Navigation(task).optimal_action() and t.actions != envs.optimal_actions(task)
+    assert t.actions[k + 1 :] == expected
+    if (task, k) == (
+        T_LONG,
+        0,
+    ):  # a different first move: the whole rest differs from the optimal episode
+        assert rewritten != envs.Navigation(
+            task
+        ).optimal_action() and t.actions != envs.optimal_actions(task)
     env = replay_tokens_match(policy, t)
     assert t.reward == 1.0 and env.wall_hits == 0
 
@@ -390,7 +496,7 @@ BAD_REWRITES = {
     "wall": lambda q: wrong_action(q.env, "wall"),
     "extra words": lambda q: q.env.optimal_action() + " move",
     "hint word": lambda q: q.env.optimal_action() + " " + intervene.HINT_CLOSE,
-    "no eos": lambda q: q.env.optimal_action(),           # cut at max_turn_tokens = 2: no closing eos
+    "no eos": lambda q: q.env.optimal_action(),  # cut at max_turn_tokens = 2: no closing eos
 }
 
 
@@ -403,30 +509,45 @@ def test_rubric_verifier_rejects_a_bad_rewrite(tiny, kind, tries):
         policy.max_turn_tokens = 2
     out, stats = run(policy, trajs, cfg(intervene_per_group=1, correction_tries=tries))
     assert out == trajs and out[0] is trajs[0]
-    assert stats["corrections_rejected"] == 1 and stats["correction_attempts"] == tries and stats.get("corrections_accepted", 0) == 0
+    assert (
+        stats["corrections_rejected"] == 1
+        and stats["correction_attempts"] == tries
+        and stats.get("corrections_accepted", 0) == 0
+    )
     assert len(policy.role_calls["corrector"]) == tries and stats["with_accepted"] == 0
     assert stats["accept_rate"] == 0.0 and policy.turn_calls == []
 
 
 class PermissiveEnv:
     """An env whose step check passes anything: only the verifier's own integrity checks can reject."""
+
     def check_step(self, action):
         return envs.StepCheck(True)
 
 
-@pytest.mark.parametrize("words,eos,accepted", [
-    ("move up", True, True), ("finish", True, True),
-    ("move up </hint>", True, False), ("<hint> move up", True, False), ("move up", False, False), ("", True, True),
-])
+@pytest.mark.parametrize(
+    "words,eos,accepted",
+    [
+        ("move up", True, True),
+        ("finish", True, True),
+        ("move up </hint>", True, False),
+        ("<hint> move up", True, False),
+        ("move up", False, False),
+        ("", True, True),
+    ],
+)
 def test_rubric_verifier_integrity_checks(tiny, words, eos, accepted):
     policy = ScriptedPolicy(tiny)
     chat = policy.chat
     ids = chat.ids(words) + [chat.eos_id] * eos
     rewrite = intervene.Rewrite(ids, role_logp(len(ids)), chat.action_text(ids))
-    verdict = intervene.RubricVerifier(policy).accept([intervene.StepUnderReview(None, PermissiveEnv())], [rewrite])
+    verdict = intervene.RubricVerifier(policy).accept(
+        [intervene.StepUnderReview(None, PermissiveEnv())], [rewrite]
+    )
     assert verdict == [accepted]
-    assert intervene.RubricVerifier(policy).accept([intervene.StepUnderReview(None, PermissiveEnv())],
-                                                   [intervene.Rewrite([], [], "")]) == [False]
+    assert intervene.RubricVerifier(policy).accept(
+        [intervene.StepUnderReview(None, PermissiveEnv())], [intervene.Rewrite([], [], "")]
+    ) == [False]
 
 
 @pytest.mark.parametrize("kind", list(BAD_REWRITES))
@@ -440,42 +561,56 @@ def test_without_verifier_a_bad_rewrite_is_executed(tiny, kind):
     assert stats["corrections_accepted"] == 1 and stats.get("corrections_rejected", 0) == 0
     assert len(policy.role_calls["corrector"]) == 1 and stats["with_accepted"] == 1
     q = policy.role_calls["corrector"][0]
-    rw_ids = (policy.chat.ids(BAD_REWRITES[kind](q)) + [policy.chat.eos_id])[:policy.max_turn_tokens]
+    rw_ids = (policy.chat.ids(BAD_REWRITES[kind](q)) + [policy.chat.eos_id])[
+        : policy.max_turn_tokens
+    ]
     env = envs.run_actions(orig.task, orig.actions[:k] + [policy.chat.action_text(rw_ids)])
     closing = [] if rw_ids[-1] == policy.chat.eos_id else [policy.chat.eos_id]
     # the next turn was sampled right after the executed rewrite and the env's answer to it
-    assert policy.turn_calls[0][0] == orig.ids[:orig.turns[k][0]] + rw_ids + closing + \
-        policy.chat.turn_ids(env.observations[-1])
-    if kind == "no eos":    # the move itself is right: the corrected trajectory succeeds and replaces the failure
+    assert policy.turn_calls[0][0] == orig.ids[
+        : orig.turns[k][0]
+    ] + rw_ids + closing + policy.chat.turn_ids(env.observations[-1])
+    if (
+        kind == "no eos"
+    ):  # the move itself is right: the corrected trajectory succeeds and replaces the failure
         t = out[0]
         assert stats["corrected_successes"] == 1 and t.reward == 1.0
         s, e = t.turns[k]
         assert t.ids[s:e] == rw_ids + [policy.chat.eos_id] and e - s == 3
         assert t.source[s:e] == [INTERVENED, INTERVENED, POLICY] and t.loss_mask[s:e] == [1, 1, 0]
         replay_tokens_match(policy, t)
-    elif kind == "wall":    # the wall hit is executed: the episode fails and the group stays as sampled
+    elif (
+        kind == "wall"
+    ):  # the wall hit is executed: the episode fails and the group stays as sampled
         assert env.observations[-1].split()[0] == "error" and env.wall_hits == 1
         assert stats["corrected_successes"] == 0 and out[0] is orig
-    else:                   # an unknown action only costs a turn: the junk turn enters training as INTERVENED
+    else:  # an unknown action only costs a turn: the junk turn enters training as INTERVENED
         assert env.observations[-1].startswith("error unknown action")
         t = out[0]
         assert stats["corrected_successes"] == 1 and t.reward == 1.0
         assert t.actions[k] == policy.chat.action_text(rw_ids) != q.env.optimal_action()
-        assert t.ids[slice(*t.turns[k])] == rw_ids and t.source[slice(*t.turns[k])] == [INTERVENED] * len(rw_ids)
+        assert t.ids[slice(*t.turns[k])] == rw_ids and t.source[slice(*t.turns[k])] == [
+            INTERVENED
+        ] * len(rw_ids)
         replay_tokens_match(policy, t)
 
 
 # ----------------------------------------------------------------------------- 5. the perplexity gate
 
+
 def two_failed_groups(tiny, ppl_by_task, **kw):
     policy = ScriptedPolicy(tiny, **kw)
     policy.scores = lambda seq: [-math.log(ppl_by_task[policy.episode(seq)[0].task_id])] * len(seq)
-    trajs = sample(policy, [T_MID, T_SHORT], 2, [{2: "wall"}, {0: "finish"}, {1: "wall"}, {0: "wall"}])
+    trajs = sample(
+        policy, [T_MID, T_SHORT], 2, [{2: "wall"}, {0: "finish"}, {1: "wall"}, {0: "wall"}]
+    )
     return policy, trajs
 
 
-@pytest.mark.parametrize("ppl_max,gate,kept", [(4.0, True, [0]), (1.5, True, []), (100.0, True, [0, 2]),
-                                               (1.5, False, [0, 2])])
+@pytest.mark.parametrize(
+    "ppl_max,gate,kept",
+    [(4.0, True, [0]), (1.5, True, []), (100.0, True, [0, 2]), (1.5, False, [0, 2])],
+)
 def test_ppl_gate_keeps_low_and_drops_high_perplexity(tiny, ppl_max, gate, kept):
     ppl = {T_MID.task_id: 2.0, T_SHORT.task_id: 8.0}
     policy, trajs = two_failed_groups(tiny, ppl)
@@ -492,10 +627,14 @@ def test_ppl_gate_keeps_low_and_drops_high_perplexity(tiny, ppl_max, gate, kept)
     kept_ppl = [ppl[trajs[i].task.task_id] for i in kept]
     dropped_ppl = [ppl[trajs[i].task.task_id] for i in (0, 2) if i not in kept]
     for key, xs in (("ppl_kept_mean", kept_ppl), ("ppl_dropped_mean", dropped_ppl)):
-        assert (math.isnan(stats[key]) if not xs else stats[key] == pytest.approx(sum(xs) / len(xs)))
+        assert math.isnan(stats[key]) if not xs else stats[key] == pytest.approx(sum(xs) / len(xs))
     if kept:
-        assert stats["calls_corrected_mean"] == pytest.approx(sum(len(out[i].actions) for i in kept) / len(kept))
-        assert stats["calls_original_mean"] == pytest.approx(sum(len(trajs[i].actions) for i in kept) / len(kept))
+        assert stats["calls_corrected_mean"] == pytest.approx(
+            sum(len(out[i].actions) for i in kept) / len(kept)
+        )
+        assert stats["calls_original_mean"] == pytest.approx(
+            sum(len(trajs[i].actions) for i in kept) / len(kept)
+        )
 
 
 def test_ppl_is_the_perplexity_of_the_rewritten_tokens_without_the_hint(tiny):
@@ -504,13 +643,13 @@ def test_ppl_is_the_perplexity_of_the_rewritten_tokens_without_the_hint(tiny):
     out, stats = run(policy, trajs, cfg(intervene_per_group=1, gate_scope="intervened"))
     t = out[0]
     assert t.intervention["corrections"] == 2
-    assert policy.score_calls == [[t.ids]]          # the gate scored the training sequence itself ...
+    assert policy.score_calls == [[t.ids]]  # the gate scored the training sequence itself ...
     hint_ids = set(policy.chat.ids(intervene.HINT_OPEN + " " + intervene.HINT_CLOSE))
-    assert not hint_ids & set(t.ids)                # ... which holds no hint
+    assert not hint_ids & set(t.ids)  # ... which holds no hint
     assert any(intervene.HINT_OPEN in q.text for q in policy.role_calls["corrector"])
     lp = rti.Sampler.score(policy, [t.ids])[0]
     vals = [lp[p] for k in (1, 3) for p in span(t, k)]
-    assert len(vals) == 2 * 3                       # two rewritten turns of two words and an eos
+    assert len(vals) == 2 * 3  # two rewritten turns of two words and an eos
     expected = math.exp(-sum(vals) / len(vals))
     assert expected > 1.5
     assert t.intervention["ppl"] == pytest.approx(expected, rel=1e-6)
@@ -518,12 +657,16 @@ def test_ppl_is_the_perplexity_of_the_rewritten_tokens_without_the_hint(tiny):
     # with the gate on, a threshold on either side of that value decides
     for ppl_max, keep in ((expected * 1.01, True), (expected * 0.99, False)):
         trajs2 = sample(policy, [T_MID], 2, [{1: "wall"}, {0: "finish"}], then={3: "wall"})
-        out2, stats2 = run(policy, trajs2, cfg(intervene_per_group=1, ppl_gate=True, ppl_max=ppl_max,
-                                               gate_scope="intervened"))
+        out2, stats2 = run(
+            policy,
+            trajs2,
+            cfg(intervene_per_group=1, ppl_gate=True, ppl_max=ppl_max, gate_scope="intervened"),
+        )
         assert (out2[0] is not trajs2[0]) == keep and stats2["gate_kept"] == int(keep)
 
 
 # ----------------------------------------------------------------------------- 6. the INTERVENED mark
+
 
 def test_intervened_mark_covers_exactly_the_rewritten_tokens(tiny):
     policy = ScriptedPolicy(tiny)
@@ -535,7 +678,7 @@ def test_intervened_mark_covers_exactly_the_rewritten_tokens(tiny):
     assert len(t.ids) == len(t.source) == len(t.loss_mask) == len(t.sample_logp)
     rewritten = {p for k in (1, 3) for p in span(t, k)}
     agent = {p for k in range(len(t.turns)) for p in span(t, k)}
-    for k in (1, 3):    # the corrector's answer and its log-probs, eos included
+    for k in (1, 3):  # the corrector's answer and its log-probs, eos included
         s, e = t.turns[k]
         assert t.ids[e - 1] == policy.chat.eos_id and t.sample_logp[s:e] == role_logp(e - s)
         assert t.actions[k] == envs.run_actions(t.task, t.actions[:k]).optimal_action()
@@ -544,12 +687,17 @@ def test_intervened_mark_covers_exactly_the_rewritten_tokens(tiny):
         assert t.loss_mask[p] == (1 if p in agent else 0)
         if p not in agent:
             assert t.sample_logp[p] == 0.0
-    for k in set(range(len(t.turns))) - {1, 3}:   # policy turns keep the log-probs they were sampled with
+    for k in set(range(len(t.turns))) - {
+        1,
+        3,
+    }:  # policy turns keep the log-probs they were sampled with
         assert t.sample_logp[slice(*t.turns[k])] == turn_logp(k, len(span(t, k)))
     # the wall move the policy sampled at turn 3 was retracted and replaced by the rewrite
-    assert policy.turn_calls[1][0] == t.ids[:t.turns[3][0]]
+    assert policy.turn_calls[1][0] == t.ids[: t.turns[3][0]]
     wall_ids = policy.turn_calls[1][1]
-    assert policy.chat.action_text(wall_ids) == wrong_action(envs.run_actions(t.task, t.actions[:3]), "wall")
+    assert policy.chat.action_text(wall_ids) == wrong_action(
+        envs.run_actions(t.task, t.actions[:3]), "wall"
+    )
     assert t.ids[slice(*t.turns[3])] != wall_ids
 
 
@@ -562,15 +710,22 @@ def test_retracted_turn_leaves_the_cache_consistent(tiny):
     t = out[0]
     assert t.intervention["corrections"] == 3 and t.reward == 1.0
     turns = []
-    for ctx, _, _ in policy.turn_calls:     # every turn was sampled from the trajectory's tokens before it
+    for (
+        ctx,
+        _,
+        _,
+    ) in policy.turn_calls:  # every turn was sampled from the trajectory's tokens before it
         k = len(policy.episode(ctx)[1])
-        assert ctx == t.ids[:t.turns[k][0]]
+        assert ctx == t.ids[: t.turns[k][0]]
         turns.append(k)
-    assert turns == list(range(1, len(t.turns)))   # turns 2 and 4 were sampled (a wall), retracted, rewritten
+    assert turns == list(
+        range(1, len(t.turns))
+    )  # turns 2 and 4 were sampled (a wall), retracted, rewritten
     replay_tokens_match(policy, t)
 
 
 # ----------------------------------------------------------------------------- 7. LLM roles
+
 
 @pytest.mark.parametrize("garbage", ["", "move up", "the valid", "not invalid", "the invalid wall"])
 def test_llm_validator_garbage_flags_nothing(tiny, garbage):
@@ -580,81 +735,141 @@ def test_llm_validator_garbage_flags_nothing(tiny, garbage):
     assert out == trajs and out[0] is trajs[0]
     assert stats.get("steps_flagged", 0) == 0 and stats["steps_checked"] == len(trajs[0].actions)
     assert policy.role_calls["corrector"] == [] and stats["with_accepted"] == 0
-    asked = policy.role_calls["validator"]      # every step was put to the validator, in order, with its history
+    asked = policy.role_calls[
+        "validator"
+    ]  # every step was put to the validator, in order, with its history
     assert [q.action for q in asked] == trajs[0].actions
-    assert [q.actions for q in asked] == [trajs[0].actions[:k] for k in range(len(trajs[0].actions))]
+    assert [q.actions for q in asked] == [
+        trajs[0].actions[:k] for k in range(len(trajs[0].actions))
+    ]
 
 
-@pytest.mark.parametrize("answer,reason", [("invalid", "llm flagged"), ("invalid wall", "wall"),
-                                           ("invalid detour move up", "detour move up")])
+@pytest.mark.parametrize(
+    "answer,reason",
+    [
+        ("invalid", "llm flagged"),
+        ("invalid wall", "wall"),
+        ("invalid detour move up", "detour move up"),
+    ],
+)
 def test_llm_validator_invalid_flags_and_its_reason_reaches_the_corrector(tiny, answer, reason):
     k = 3
     policy = ScriptedPolicy(tiny, validator=lambda q: answer if len(q.actions) == k else "valid")
-    trajs = sample(policy, [T_MID], 2, [{1: "wall"}, {0: "finish"}])   # the real mistake is at 1: not flagged
+    trajs = sample(
+        policy, [T_MID], 2, [{1: "wall"}, {0: "finish"}]
+    )  # the real mistake is at 1: not flagged
     out, stats = run(policy, trajs, cfg(validator="llm", intervene_per_group=1))
     assert stats["steps_flagged"] == 1
     q = policy.role_calls["corrector"][0]
     assert q.actions == trajs[0].actions[:k]
-    assert q.hint == intervene.format_hint(reason, q.env.hint())[len("<hint> "):-len(" </hint>")]
+    assert q.hint == intervene.format_hint(reason, q.env.hint())[len("<hint> ") : -len(" </hint>")]
     assert reason in q.hint and q.env.hint() in q.hint
-    assert stats["corrections_accepted"] == 1 and stats["corrected_successes"] == 0   # the wall hit at 1 stays
+    assert (
+        stats["corrections_accepted"] == 1 and stats["corrected_successes"] == 0
+    )  # the wall hit at 1 stays
     assert out[0] is trajs[0]
 
 
-@pytest.mark.parametrize("answer,accepted", [("accept", True), ("accept move up", True), ("reject", False),
-                                             ("", False), ("valid", False), ("the accept", False)])
+@pytest.mark.parametrize(
+    "answer,accepted",
+    [
+        ("accept", True),
+        ("accept move up", True),
+        ("reject", False),
+        ("", False),
+        ("valid", False),
+        ("the accept", False),
+    ],
+)
 def test_llm_verifier_accepts_only_accept(tiny, answer, accepted):
     policy = ScriptedPolicy(tiny, verifier=lambda q: answer)
     trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
     out, stats = run(policy, trajs, cfg(verifier="llm", intervene_per_group=1))
     asked = policy.role_calls["verifier"]
-    assert asked and all(q.action == q.env.optimal_action() for q in asked)    # the rewrite, at the right state
+    assert asked and all(
+        q.action == q.env.optimal_action() for q in asked
+    )  # the rewrite, at the right state
     assert all(q.actions == trajs[0].actions[:2] for q in asked)
     if accepted:
         assert stats["corrections_accepted"] == 1 and stats.get("corrections_rejected", 0) == 0
         assert out[0] is not trajs[0] and out[0].reward == 1.0
     else:
-        assert stats["corrections_rejected"] == 1 and stats["correction_attempts"] == 3 and stats.get("corrections_accepted", 0) == 0
+        assert (
+            stats["corrections_rejected"] == 1
+            and stats["correction_attempts"] == 3
+            and stats.get("corrections_accepted", 0) == 0
+        )
         assert out[0] is trajs[0] and len(asked) == 3
 
 
-@pytest.mark.parametrize("answer,valid,reason", [
-    ("valid", True, ""), ("", True, ""), ("move up", True, ""), ("not invalid", True, ""),
-    ("invalidate x", True, ""), ("valid invalid", True, ""),
-    ("invalid", False, "llm flagged"), ("  invalid  ", False, "llm flagged"),
-    ("invalid wall move up hits a wall", False, "wall move up hits a wall"),
-    ("invalid   detour\tmove  up", False, "detour move up"),
-])
+@pytest.mark.parametrize(
+    "answer,valid,reason",
+    [
+        ("valid", True, ""),
+        ("", True, ""),
+        ("move up", True, ""),
+        ("not invalid", True, ""),
+        ("invalidate x", True, ""),
+        ("valid invalid", True, ""),
+        ("invalid", False, "llm flagged"),
+        ("  invalid  ", False, "llm flagged"),
+        ("invalid wall move up hits a wall", False, "wall move up hits a wall"),
+        ("invalid   detour\tmove  up", False, "detour move up"),
+    ],
+)
 def test_parse_validator(answer, valid, reason):
     assert intervene.parse_validator(answer) == envs.StepCheck(valid, reason)
 
 
 # ----------------------------------------------------------------------------- 8. statistics
 
+
 def test_statistics_count_what_happened(tiny):
-    def corrector(q):   # T_SHORT: a wall move first, then the right one; T_LONG: always a wall move
+    def corrector(q):  # T_SHORT: a wall move first, then the right one; T_LONG: always a wall move
         if q.task is T_SHORT and q.attempt >= 1:
             return q.env.optimal_action()
         return wrong_action(q.env, "wall")
+
     policy = ScriptedPolicy(tiny, corrector=corrector)
-    mistakes = [{}, {0: "wall"},              # group 0: a success, not triggered
-                {1: "wall"}, {0: "wall"},     # group 1: row 2 flagged at 1, corrected on the 2nd try
-                {2: "wall"}, {0: "finish"}]   # group 2: row 4 flagged at 2, every try rejected
+    mistakes = [
+        {},
+        {0: "wall"},  # group 0: a success, not triggered
+        {1: "wall"},
+        {0: "wall"},  # group 1: row 2 flagged at 1, corrected on the 2nd try
+        {2: "wall"},
+        {0: "finish"},
+    ]  # group 2: row 4 flagged at 2, every try rejected
     trajs = sample(policy, [T_MID, T_SHORT, T_LONG], 2, mistakes)
     out, stats = run(policy, trajs, cfg())
     expected = {
-        "groups": 3, "groups_triggered": 2, "intervened": 2,
-        "steps_checked": (2 + 3) + 3,      # replay: 2 steps of row 2, 3 of row 4; continuation: turns 2-4 of row 2
+        "groups": 3,
+        "groups_triggered": 2,
+        "intervened": 2,
+        "steps_checked": (2 + 3)
+        + 3,  # replay: 2 steps of row 2, 3 of row 4; continuation: turns 2-4 of row 2
         "steps_flagged": 2,
-        "corrections_accepted": 1, "corrections_rejected": 1, "correction_attempts": 2 + 3,
-        "with_accepted": 1, "corrected_successes": 1, "gate_kept": 1, "gate_dropped": 0,
-        "calls_corrected_mean": 5, "calls_original_mean": 6,
+        "corrections_accepted": 1,
+        "corrections_rejected": 1,
+        "correction_attempts": 2 + 3,
+        "with_accepted": 1,
+        "corrected_successes": 1,
+        "gate_kept": 1,
+        "gate_dropped": 0,
+        "calls_corrected_mean": 5,
+        "calls_original_mean": 6,
     }
     assert {k: stats[k] for k in expected} == expected
-    assert stats["trigger_rate"] == pytest.approx(2 / 3) and stats["flag_rate"] == pytest.approx(2 / 8)
-    assert stats["accept_rate"] == pytest.approx(1 / 2) and stats["with_accepted_rate"] == 0.5   # per flagged step
+    assert stats["trigger_rate"] == pytest.approx(2 / 3) and stats["flag_rate"] == pytest.approx(
+        2 / 8
+    )
+    assert (
+        stats["accept_rate"] == pytest.approx(1 / 2) and stats["with_accepted_rate"] == 0.5
+    )  # per flagged step
     assert stats["corrected_success_rate"] == 1.0 and "role_errors" not in stats
-    assert math.isnan(stats["ppl_dropped_mean"]) and stats["ppl_kept_mean"] == out[2].intervention["ppl"]
+    assert (
+        math.isnan(stats["ppl_dropped_mean"])
+        and stats["ppl_kept_mean"] == out[2].intervention["ppl"]
+    )
     assert_unchanged(out, trajs, [0, 1, 3, 4, 5])
     assert out[2].reward == 1.0 and len(out[2].actions) == 5
     assert len(policy.role_calls["corrector"]) == 2 + 2 + 1
@@ -662,25 +877,38 @@ def test_statistics_count_what_happened(tiny):
 
 # ----------------------------------------------------------------------------- 9. bad input
 
+
 def raise_(*a, **k):
     raise RuntimeError("role broke")
 
 
-@pytest.mark.parametrize("where,patch", [
-    ("corrector", lambda self, cases: raise_()),
-    ("corrector", lambda self, cases: [intervene.Rewrite([5, 3], [0.0, 0.0], "x")] * (len(cases) + 1)),
-    ("verifier", lambda self, cases, rewrites: raise_()),
-    ("verifier", lambda self, cases, rewrites: []),
-])
+@pytest.mark.parametrize(
+    "where,patch",
+    [
+        ("corrector", lambda self, cases: raise_()),
+        (
+            "corrector",
+            lambda self, cases: [intervene.Rewrite([5, 3], [0.0, 0.0], "x")] * (len(cases) + 1),
+        ),
+        ("verifier", lambda self, cases, rewrites: raise_()),
+        ("verifier", lambda self, cases, rewrites: []),
+    ],
+)
 def test_a_broken_role_rejects_and_the_run_goes_on(tiny, monkeypatch, where, patch):
     cls = intervene.SelfCorrector if where == "corrector" else intervene.RubricVerifier
     monkeypatch.setattr(cls, "rewrite" if where == "corrector" else "accept", patch)
     policy = ScriptedPolicy(tiny)
-    trajs = sample(policy, [T_MID, T_SHORT], 2, [{2: "wall"}, {0: "finish"}, {1: "wall"}, {0: "wall"}])
+    trajs = sample(
+        policy, [T_MID, T_SHORT], 2, [{2: "wall"}, {0: "finish"}, {1: "wall"}, {0: "wall"}]
+    )
     out, stats = run(policy, trajs, cfg(correction_tries=2))
     assert out == trajs and all(a is b for a, b in zip(out, trajs))
-    assert stats["role_errors"] == 2                    # one failed call per try (both cases in one batch)
-    assert stats["corrections_rejected"] == 2 and stats["correction_attempts"] == 2 * 2 and stats.get("corrections_accepted", 0) == 0
+    assert stats["role_errors"] == 2  # one failed call per try (both cases in one batch)
+    assert (
+        stats["corrections_rejected"] == 2
+        and stats["correction_attempts"] == 2 * 2
+        and stats.get("corrections_accepted", 0) == 0
+    )
     assert stats["with_accepted"] == 0 and stats["steps_flagged"] == 2
 
 
@@ -688,26 +916,43 @@ def test_a_role_raising_inside_generate_is_a_rejection(tiny):
     policy = ScriptedPolicy(tiny, corrector=raise_)
     trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
     out, stats = run(policy, trajs, cfg(intervene_per_group=1))
-    assert out[0] is trajs[0] and stats["role_errors"] == 3 and stats["corrections_rejected"] == 1 and stats["correction_attempts"] == 3
+    assert (
+        out[0] is trajs[0]
+        and stats["role_errors"] == 3
+        and stats["corrections_rejected"] == 1
+        and stats["correction_attempts"] == 3
+    )
 
 
-@pytest.mark.parametrize("broken", [lambda self, cases: raise_(),
-                                    lambda self, cases: [envs.StepCheck(False, "wall")] * (len(cases) + 1)])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        lambda self, cases: raise_(),
+        lambda self, cases: [envs.StepCheck(False, "wall")] * (len(cases) + 1),
+    ],
+)
 def test_a_broken_validator_flags_nothing(tiny, monkeypatch, broken):
     monkeypatch.setattr(intervene.RubricValidator, "check", broken)
     policy = ScriptedPolicy(tiny)
     trajs = sample(policy, [T_MID], 2, [{2: "wall", 4: "wall"}, {0: "finish"}])
     out, stats = run(policy, trajs, cfg(intervene_per_group=1))
     assert out[0] is trajs[0] and stats.get("steps_flagged", 0) == 0
-    assert stats["steps_checked"] == len(trajs[0].actions)     # every step was put to it; none was flagged
-    assert stats["role_errors"] == len(trajs[0].actions)       # one failed call per step, none for "no steps"
+    assert stats["steps_checked"] == len(
+        trajs[0].actions
+    )  # every step was put to it; none was flagged
+    assert stats["role_errors"] == len(
+        trajs[0].actions
+    )  # one failed call per step, none for "no steps"
     assert policy.role_calls["corrector"] == []
 
 
 def test_replay_never_asks_the_validator_about_no_steps(tiny, monkeypatch):
     sizes, check = [], intervene.RubricValidator.check
-    monkeypatch.setattr(intervene.RubricValidator, "check",
-                        lambda self, cases: sizes.append(len(cases)) or check(self, cases))
+    monkeypatch.setattr(
+        intervene.RubricValidator,
+        "check",
+        lambda self, cases: sizes.append(len(cases)) or check(self, cases),
+    )
     policy = ScriptedPolicy(tiny)
     trajs = sample(policy, [T_MID], 2, [{}, {}])
     for t in trajs:
@@ -719,7 +964,7 @@ def test_replay_never_asks_the_validator_about_no_steps(tiny, monkeypatch):
 def test_a_failed_trajectory_with_nothing_to_correct_is_left_as_it_was(tiny):
     policy = ScriptedPolicy(tiny)
     trajs = sample(policy, [T_MID], 2, [{}, {}])
-    for t in trajs:    # a reward the rubric validator cannot explain (e.g. from another scorer)
+    for t in trajs:  # a reward the rubric validator cannot explain (e.g. from another scorer)
         t.reward = 0.0
     before = snapshot(trajs)
     out, stats = run(policy, trajs, cfg())
@@ -737,29 +982,52 @@ def test_unknown_role_names_are_refused():
 
 def test_config_from_trainer_flags():
     c = rti.make_config(ppl_max=3.5, verifier="none", corrector="rule", max_corrections=2).rti
-    assert (c.ppl_max, c.verifier, c.corrector, c.max_corrections, c.validator) == (3.5, "none", "rule", 2, "rubric")
+    assert (c.ppl_max, c.verifier, c.corrector, c.max_corrections, c.validator) == (
+        3.5,
+        "none",
+        "rule",
+        2,
+        "rubric",
+    )
 
 
 def test_empty_rewrite_without_verifier_does_not_crash(tiny):
     policy = ScriptedPolicy(tiny, corrector=lambda q: "")
     trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
-    policy.generate = lambda contexts, max_new=None: ([[] for _ in contexts], [[] for _ in contexts])
+    policy.generate = lambda contexts, max_new=None: (
+        [[] for _ in contexts],
+        [[] for _ in contexts],
+    )
     out, stats = run(policy, trajs, cfg(intervene_per_group=1, verifier="none"))
     assert stats["corrections_accepted"] == 1 and stats["with_accepted"] == 1
 
 
 # ----------------------------------------------------------------------------- 10. max_corrections, rule corrector
 
-@pytest.mark.parametrize("cap,accepted,checked,success", [(1, 1, 1, False), (2, 2, 2, False), (3, 3, 3, False),
-                                                          (4, 4, 1 + 3, True), (8, 4, 1 + 10, True)])
+
+@pytest.mark.parametrize(
+    "cap,accepted,checked,success",
+    [
+        (1, 1, 1, False),
+        (2, 2, 2, False),
+        (3, 3, 3, False),
+        (4, 4, 1 + 3, True),
+        (8, 4, 1 + 10, True),
+    ],
+)
 def test_max_corrections_caps_corrections_per_trajectory(tiny, cap, accepted, checked, success):
     policy = ScriptedPolicy(tiny)
     # the original fails at 0; after each correction the policy hits a wall again at turns 1, 2, 3
-    trajs = sample(policy, [T_LONG], 2, [{0: "wall"}, {0: "finish"}], then={1: "wall", 2: "wall", 3: "wall"})
-    out, stats = run(policy, trajs, cfg(corrector="rule", intervene_per_group=1,
-                                                        max_corrections=cap))
+    trajs = sample(
+        policy, [T_LONG], 2, [{0: "wall"}, {0: "finish"}], then={1: "wall", 2: "wall", 3: "wall"}
+    )
+    out, stats = run(
+        policy, trajs, cfg(corrector="rule", intervene_per_group=1, max_corrections=cap)
+    )
     assert stats["corrections_accepted"] == accepted == stats["steps_flagged"]
-    assert stats["steps_checked"] == checked       # reviewed steps only: 1 in replay, then while under the cap
+    assert (
+        stats["steps_checked"] == checked
+    )  # reviewed steps only: 1 in replay, then while under the cap
     assert stats["corrected_successes"] == int(success) and (out[0] is not trajs[0]) == success
     if success:
         assert out[0].intervention["corrections"] == 4
@@ -773,7 +1041,7 @@ def test_max_corrections_zero_corrects_nothing(tiny):
 
 
 def test_rule_corrector_writes_the_optimal_action_with_log_prob_zero(tiny):
-    policy = ScriptedPolicy(tiny, corrector=raise_)      # the self-corrector must not be asked
+    policy = ScriptedPolicy(tiny, corrector=raise_)  # the self-corrector must not be asked
     trajs = sample(policy, [T_LONG], 2, [{1: "wall"}, {0: "finish"}], then={3: "wall"})
     out, stats = run(policy, trajs, cfg(corrector="rule", intervene_per_group=1))
     t = out[0]
@@ -782,7 +1050,9 @@ def test_rule_corrector_writes_the_optimal_action_with_log_prob_zero(tiny):
     for k in (1, 3):
         s, e = t.turns[k]
         optimal = envs.run_actions(t.task, t.actions[:k]).optimal_action()
-        assert t.actions[k] == optimal and t.ids[s:e] == policy.chat.ids(optimal) + [policy.chat.eos_id]
+        assert t.actions[k] == optimal and t.ids[s:e] == policy.chat.ids(optimal) + [
+            policy.chat.eos_id
+        ]
         assert t.sample_logp[s:e] == [0.0] * (e - s) and t.source[s:e] == [INTERVENED] * (e - s)
     assert t.actions == envs.optimal_actions(T_LONG)
     replay_tokens_match(policy, t)
@@ -790,14 +1060,21 @@ def test_rule_corrector_writes_the_optimal_action_with_log_prob_zero(tiny):
 
 # ----------------------------------------------------------------------------- 11. format_hint
 
-@pytest.mark.parametrize("reason,hint,expected", [
-    ("wall move up hits a wall ; next A 3 1 do route", "next A 3 1 do route",
-     "<hint> wall move up hits a wall ; next A 3 1 do route </hint>"),
-    ("llm flagged", "next A 3 1 do route", "<hint> llm flagged ; next A 3 1 do route </hint>"),
-    ("wall", "next finish do finish", "<hint> wall ; next finish do finish </hint>"),
-    ("", "next B 0 2 do move left", "<hint> next B 0 2 do move left </hint>"),
-    ("llm flagged", "", "<hint> llm flagged </hint>"),
-])
+
+@pytest.mark.parametrize(
+    "reason,hint,expected",
+    [
+        (
+            "wall move up hits a wall ; next A 3 1 do route",
+            "next A 3 1 do route",
+            "<hint> wall move up hits a wall ; next A 3 1 do route </hint>",
+        ),
+        ("llm flagged", "next A 3 1 do route", "<hint> llm flagged ; next A 3 1 do route </hint>"),
+        ("wall", "next finish do finish", "<hint> wall ; next finish do finish </hint>"),
+        ("", "next B 0 2 do move left", "<hint> next B 0 2 do move left </hint>"),
+        ("llm flagged", "", "<hint> llm flagged </hint>"),
+    ],
+)
 def test_format_hint(reason, hint, expected):
     assert intervene.format_hint(reason, hint) == expected
 
@@ -812,49 +1089,106 @@ def test_format_hint_on_the_env_reasons_states_the_hint_once():
 
 
 def test_run_totals_add_counts_and_take_means_over_the_run():
-    a = evaluate.intervention_rates(dict(groups=4, groups_triggered=2, steps_checked=10, steps_flagged=4,
-                                               corrections_accepted=3, corrections_rejected=1, intervened=4,
-                                               with_accepted=3, corrected_successes=2, gate_kept=2, ppl_kept_sum=6.0,
-                                               gate_dropped=1, ppl_dropped_sum=9.0, calls_corrected_sum=12,
-                                               calls_original_sum=12))
-    b = evaluate.intervention_rates(dict(groups=4, groups_triggered=1, steps_checked=2, steps_flagged=4,
-                                               corrections_accepted=1, corrections_rejected=3, intervened=2,
-                                               with_accepted=1, corrected_successes=1, gate_kept=1, ppl_kept_sum=6.0,
-                                               calls_corrected_sum=9, calls_original_sum=10))
-    assert a["ppl_kept_mean"] == 3.0 and b["ppl_dropped_mean"] != b["ppl_dropped_mean"]     # NaN: nothing dropped
+    a = evaluate.intervention_rates(
+        dict(
+            groups=4,
+            groups_triggered=2,
+            steps_checked=10,
+            steps_flagged=4,
+            corrections_accepted=3,
+            corrections_rejected=1,
+            intervened=4,
+            with_accepted=3,
+            corrected_successes=2,
+            gate_kept=2,
+            ppl_kept_sum=6.0,
+            gate_dropped=1,
+            ppl_dropped_sum=9.0,
+            calls_corrected_sum=12,
+            calls_original_sum=12,
+        )
+    )
+    b = evaluate.intervention_rates(
+        dict(
+            groups=4,
+            groups_triggered=1,
+            steps_checked=2,
+            steps_flagged=4,
+            corrections_accepted=1,
+            corrections_rejected=3,
+            intervened=2,
+            with_accepted=1,
+            corrected_successes=1,
+            gate_kept=1,
+            ppl_kept_sum=6.0,
+            calls_corrected_sum=9,
+            calls_original_sum=10,
+        )
+    )
+    assert (
+        a["ppl_kept_mean"] == 3.0 and b["ppl_dropped_mean"] != b["ppl_dropped_mean"]
+    )  # NaN: nothing dropped
     s = evaluate.run_totals([a, b, evaluate.intervention_rates(dict(groups=4, groups_triggered=0))])
     assert (s["groups"], s["groups_triggered"], s["gate_kept"], s["gate_dropped"]) == (12, 3, 3, 1)
     assert s["trigger_rate"] == pytest.approx(3 / 12) and s["accept_rate"] == pytest.approx(4 / 8)
     assert s["ppl_kept_mean"] == pytest.approx(4.0) and s["ppl_dropped_mean"] == pytest.approx(9.0)
-    assert s["calls_corrected_mean"] == pytest.approx(7.0) and s["calls_original_mean"] == pytest.approx(22 / 3)
-    assert s["corrected_success_rate"] == pytest.approx(3 / 4) and s["flag_rate"] == pytest.approx(8 / 12)
-    assert s["reject_rate"] == pytest.approx(4 / 8) and s["corrections_accepted"] + s["corrections_rejected"] == 8
+    assert s["calls_corrected_mean"] == pytest.approx(7.0) and s[
+        "calls_original_mean"
+    ] == pytest.approx(22 / 3)
+    assert s["corrected_success_rate"] == pytest.approx(3 / 4) and s["flag_rate"] == pytest.approx(
+        8 / 12
+    )
+    assert (
+        s["reject_rate"] == pytest.approx(4 / 8)
+        and s["corrections_accepted"] + s["corrections_rejected"] == 8
+    )
     text = evaluate.intervention_report(s)
     assert "triggered: 3 / 12 (25.0%)" in text and "kept 3 (mean PPL 4.00)" in text
 
 
 # ----------------------------------------------------------------------------- 9. paired groups (--group-mode paired)
 
-def test_paired_mode_corrects_every_trajectory_keeps_the_originals_and_goes_on_after_a_rejection(tiny):
+
+def test_paired_mode_corrects_every_trajectory_keeps_the_originals_and_goes_on_after_a_rejection(
+    tiny,
+):
     """One triggered group of 4 on T_MID. Row 1's first flagged step (turn 0) gets only rejected rewrites, so its
     original wall move stands and the replay goes on to its next flagged step (turn 2), which is corrected; the wall
     hit at turn 0 still fails it. The other rows are corrected at their only mistake and succeed. The originals stay,
     the 3 successful corrections join the group (same `group`), and the advantages are taken over all 7."""
-    def corrector(q):   # a wall move (rejected) for the first step of an episode, else the right one
+
+    def corrector(q):  # a wall move (rejected) for the first step of an episode, else the right one
         return wrong_action(q.env, "wall") if not q.actions else q.env.optimal_action()
+
     policy = ScriptedPolicy(tiny, corrector=corrector)
-    trajs = sample(policy, [T_MID], 4, [{1: "wall"}, {0: "wall", 2: "wall"}, {2: "finish"}, {3: "wall"}])
+    trajs = sample(
+        policy, [T_MID], 4, [{1: "wall"}, {0: "wall", 2: "wall"}, {2: "finish"}, {3: "wall"}]
+    )
     out, stats = run(policy, trajs, cfg(group_mode="paired"))
     assert out[:4] == trajs and all(a is b for a, b in zip(out, trajs)) and len(out) == 4 + 3
     assert stats["intervened"] == 4 and stats["steps_flagged"] == 5
-    assert (stats["corrections_accepted"], stats["corrections_rejected"], stats["correction_attempts"]) == (4, 1, 4 + 3)
-    assert stats["with_accepted"] == 4 and stats["corrected_successes"] == 3 and stats["gate_kept"] == 3
+    assert (
+        stats["corrections_accepted"],
+        stats["corrections_rejected"],
+        stats["correction_attempts"],
+    ) == (4, 1, 4 + 3)
+    assert (
+        stats["with_accepted"] == 4
+        and stats["corrected_successes"] == 3
+        and stats["gate_kept"] == 3
+    )
     corrected = out[4:]
     assert [t.group for t in corrected] == [0, 0, 0] and all(t.reward == 1.0 for t in corrected)
-    assert corrected[0].actions[:2] == trajs[0].actions[:1] + [envs.run_actions(T_MID, trajs[0].actions[:1])
-                                                               .optimal_action()]      # row 0, fixed at turn 1
-    adv = loss_mod.advantages_by_group(torch.tensor([t.reward for t in out]), [t.group for t in out])
-    mean, std = 3 / 7, math.sqrt((4 * (3 / 7) ** 2 + 3 * (4 / 7) ** 2) / 6)     # unbiased, as group_advantages
+    assert corrected[0].actions[:2] == trajs[0].actions[:1] + [
+        envs.run_actions(T_MID, trajs[0].actions[:1]).optimal_action()
+    ]  # row 0, fixed at turn 1
+    adv = loss_mod.advantages_by_group(
+        torch.tensor([t.reward for t in out]), [t.group for t in out]
+    )
+    mean, std = (
+        3 / 7,
+        math.sqrt((4 * (3 / 7) ** 2 + 3 * (4 / 7) ** 2) / 6),
+    )  # unbiased, as group_advantages
     assert adv.tolist() == pytest.approx([-mean / std] * 4 + [(1 - mean) / std] * 3, rel=1e-5)
 
 
@@ -864,23 +1198,35 @@ def test_gated_out_corrections_never_join_the_batch(tiny, mode):
     each group are corrected, the two T_MID corrections join group 0 and the originals all stay; replace: one per
     group is corrected, and only the kept one replaces its original."""
     policy, trajs = two_failed_groups(tiny, {T_MID.task_id: 2.0, T_SHORT.task_id: 8.0})
-    out, stats = run(policy, trajs, cfg(ppl_gate=True, ppl_max=4.0, group_mode=mode, intervene_per_group=1))
+    out, stats = run(
+        policy, trajs, cfg(ppl_gate=True, ppl_max=4.0, group_mode=mode, intervene_per_group=1)
+    )
     if mode == "paired":
         assert (stats["intervened"], stats["gate_kept"], stats["gate_dropped"]) == (4, 2, 2)
         assert len(out) == 6 and out[:4] == trajs and [t.group for t in out[4:]] == [0, 0]
         assert all(t.task is T_MID and t.reward == 1.0 for t in out[4:])
     else:
         assert (stats["intervened"], stats["gate_kept"], stats["gate_dropped"]) == (2, 1, 1)
-        assert len(out) == 4 and out[0] is not trajs[0] and out[0].reward == 1.0 and out[1:] == trajs[1:]
+        assert (
+            len(out) == 4
+            and out[0] is not trajs[0]
+            and out[0].reward == 1.0
+            and out[1:] == trajs[1:]
+        )
 
 
 @pytest.mark.parametrize("scope", ["intervened", "agent", "trajectory"])
 def test_gate_scope_picks_the_tokens_the_perplexity_is_over(tiny, scope):
     policy, trajs = two_failed_groups(tiny, {T_MID.task_id: 2.0, T_SHORT.task_id: 2.0})
-    policy.scores = lambda seq: [-float(i % 3) for i in range(len(seq))]     # a different log-prob at each position
+    policy.scores = lambda seq: [
+        -float(i % 3) for i in range(len(seq))
+    ]  # a different log-prob at each position
     out, _ = run(policy, trajs, cfg(intervene_per_group=1, gate_scope=scope))
     t = out[0]
-    pick = {"intervened": [s == INTERVENED and m for s, m in zip(t.source, t.loss_mask)], "agent": t.loss_mask,
-            "trajectory": [i >= t.turns[0][0] for i in range(len(t.ids))]}[scope]
+    pick = {
+        "intervened": [s == INTERVENED and m for s, m in zip(t.source, t.loss_mask)],
+        "agent": t.loss_mask,
+        "trajectory": [i >= t.turns[0][0] for i in range(len(t.ids))],
+    }[scope]
     vals = [-float(i % 3) for i, p in enumerate(pick) if p]
     assert t.intervention["ppl"] == pytest.approx(math.exp(-sum(vals) / len(vals)))

@@ -1,5 +1,6 @@
 """The layout: the core's project imports point one way, at module top, with no cycle; extras/ is reached from the
 core only through envs.ENVS; intervene.py runs with a policy and trajectories written here (it copies alone)."""
+
 import ast
 from pathlib import Path
 
@@ -11,7 +12,13 @@ import intervene
 from loss import INTERVENED, POLICY
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = {"envs": 0, "loss": 0, "evaluate": 0, "intervene": 1, "rti": 2}   # level: a module imports lower levels only
+CORE = {
+    "envs": 0,
+    "loss": 0,
+    "evaluate": 0,
+    "intervene": 1,
+    "rti": 2,
+}  # level: a module imports lower levels only
 BUDGET = {"loss": 300, "intervene": 400, "evaluate": 250, "envs": 550, "rti": 750}
 
 
@@ -21,9 +28,15 @@ def project_imports(path: Path) -> list[tuple[str, bool]]:
     top = {id(n) for n in tree.body}
     out = []
     for node in ast.walk(tree):
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                 [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) and
-                 node.module == "extras" else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [f"{node.module}.{a.name}" for a in node.names]
+            if isinstance(node, ast.ImportFrom) and node.module == "extras"
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         for name in names:
             root = name.split(".")[0]
             if root in CORE or root == "extras":
@@ -35,8 +48,12 @@ def project_imports(path: Path) -> list[tuple[str, bool]]:
 def test_core_imports_point_down_at_module_top(module):
     for name, at_top in project_imports(ROOT / f"{module}.py"):
         assert at_top, f"{module}.py imports {name} inside a function"
-        assert not name.startswith("extras"), f"{module}.py imports {name}: the core reaches extras/ via envs.ENVS"
-        assert CORE[name] < CORE[module], f"{module}.py (level {CORE[module]}) imports {name} (level {CORE[name]})"
+        assert not name.startswith("extras"), (
+            f"{module}.py imports {name}: the core reaches extras/ via envs.ENVS"
+        )
+        assert CORE[name] < CORE[module], (
+            f"{module}.py (level {CORE[module]}) imports {name} (level {CORE[name]})"
+        )
 
 
 def test_extras_import_the_core_and_no_cycle():
@@ -45,7 +62,9 @@ def test_extras_import_the_core_and_no_cycle():
         graph[f"extras.{path.stem}"] = {n for n, _ in project_imports(path)}
     for name, deps in graph.items():
         for dep in deps:
-            assert dep in CORE or dep in graph, f"{name} imports {dep}, which is neither core nor extras"
+            assert dep in CORE or dep in graph, (
+                f"{name} imports {dep}, which is neither core nor extras"
+            )
     seen, stack = set(), []
 
     def visit(node):
@@ -57,6 +76,7 @@ def test_extras_import_the_core_and_no_cycle():
             visit(dep)
         stack.pop()
         seen.add(node)
+
     for node in graph:
         visit(node)
 
@@ -74,8 +94,10 @@ def test_core_files_keep_their_line_budgets(module):
 
 # ----------------------------------------------------------------------------- intervene.py with objects of its own
 
+
 class WordChat:
     """A chat of whole words: each word an id, eos = 0; a turn is the action's words."""
+
     eos_id = 0
 
     def __init__(self):
@@ -109,6 +131,7 @@ class Session:
 
 class OptimalPolicy:
     """Samples the env's optimal action (through the trajectory's env, set by the test) and scores every token -0.1."""
+
     max_turn_tokens = 3
 
     def __init__(self):
@@ -131,17 +154,29 @@ class OptimalPolicy:
 
 class Traj:
     """The Episode protocol in a few lines."""
+
     def __init__(self, task, group, chat):
-        self.task, self.group, self.seed, self.reward, self.intervention = task, group, None, 0.0, None
+        self.task, self.group, self.seed, self.reward, self.intervention = (
+            task,
+            group,
+            None,
+            0.0,
+            None,
+        )
         self.ids, self.loss_mask, self.source, self.sample_logp = [], [], [], []
         self.turns, self.actions, self.observations = [], [], []
 
     def truncated(self, k):
         t = Traj(self.task, self.group, None)
         end = self.turns[k][0] if k < len(self.turns) else len(self.ids)
-        t.ids, t.loss_mask, t.source, t.sample_logp = (x[:end] for x in (self.ids, self.loss_mask, self.source,
-                                                                          self.sample_logp))
-        t.turns, t.actions, t.observations = self.turns[:k], self.actions[:k], self.observations[:k + 1]
+        t.ids, t.loss_mask, t.source, t.sample_logp = (
+            x[:end] for x in (self.ids, self.loss_mask, self.source, self.sample_logp)
+        )
+        t.turns, t.actions, t.observations = (
+            self.turns[:k],
+            self.actions[:k],
+            self.observations[: k + 1],
+        )
         return t
 
     def step(self, chat, env, agent_ids, logp, source):
@@ -177,15 +212,23 @@ def test_intervene_runs_with_a_policy_and_trajectories_written_here():
         t = Traj(task, 0, policy.chat)
         t.observations.append(env.reset())
         t.ids = policy.chat.prompt_ids(t.observations[0])
-        t.loss_mask, t.source, t.sample_logp = [0] * len(t.ids), [POLICY] * len(t.ids), [0.0] * len(t.ids)
+        t.loss_mask, t.source, t.sample_logp = (
+            [0] * len(t.ids),
+            [POLICY] * len(t.ids),
+            [0.0] * len(t.ids),
+        )
         t.step(policy.chat, env, policy.chat.ids("finish") + [0], [-1.0, -1.0], POLICY)
         assert t.reward == 0.0
         trajs.append(t)
     cfg = intervene.RTIConfig(corrector="rule", ppl_gate=True, ppl_max=2.0, intervene_per_group=2)
     out, counts = intervene.intervene_batch(policy, trajs, cfg, envs.Navigation)
     stats = evaluate.intervention_rates(counts)
-    assert stats["groups_triggered"] == 1 and stats["steps_flagged"] == 4 and stats["corrections_accepted"] == 4
-    assert stats["gate_kept"] == 2 and stats["ppl_kept_mean"] == pytest.approx(2.718281828 ** 0.1)
+    assert (
+        stats["groups_triggered"] == 1
+        and stats["steps_flagged"] == 4
+        and stats["corrections_accepted"] == 4
+    )
+    assert stats["gate_kept"] == 2 and stats["ppl_kept_mean"] == pytest.approx(2.718281828**0.1)
     for t in out:
         assert t.reward == 1.0 and t.actions == ["route", "move right", "move right", "finish"]
         trained = [(s, lp) for s, lp, m in zip(t.source, t.sample_logp, t.loss_mask) if m]

@@ -1,4 +1,5 @@
 """Tests for loss.py: hand-computed values, a plain-loop reference, gradients, edge cases."""
+
 import itertools
 import math
 import os
@@ -8,8 +9,18 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from loss import (INTERVENED, POLICY, LossConfig, advantages_by_group, aggregate, group_advantages,  # noqa: E402
-                  group_rows, importance_ratios, policy_loss, token_weights)
+from loss import (
+    INTERVENED,
+    POLICY,
+    LossConfig,
+    advantages_by_group,
+    aggregate,
+    group_advantages,  # noqa: E402
+    group_rows,
+    importance_ratios,
+    policy_loss,
+    token_weights,
+)
 
 P, I = POLICY, INTERVENED
 LN = math.log
@@ -39,7 +50,7 @@ def test_advantages_by_group_equal_group_advantages_wherever_the_rows_are():
     r = t([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0])
     fixed = group_advantages(r, 4)
     assert torch.equal(advantages_by_group(r, [0] * 4 + [1] * 4), fixed)
-    order = [0, 4, 1, 5, 2, 6, 3, 7]                     # the same two groups, rows interleaved
+    order = [0, 4, 1, 5, 2, 6, 3, 7]  # the same two groups, rows interleaved
     assert torch.equal(advantages_by_group(r[order], [i // 4 for i in order]), fixed[order])
     assert group_rows(["b", "a", "b"]) == {"b": [0, 2], "a": [1]}
 
@@ -51,7 +62,9 @@ def test_group_advantages_zero_spread_is_exactly_zero():
     assert torch.equal(a[6:], torch.zeros(3, dtype=a.dtype))
     assert a[3] > 0 and torch.isfinite(a).all()
     assert torch.equal(group_advantages(t([1.0, 0.0]), 1), torch.zeros(2, dtype=torch.float64))
-    assert torch.equal(group_advantages(torch.tensor([1, 1, 0, 0]), 2), torch.zeros(4))  # int rewards
+    assert torch.equal(
+        group_advantages(torch.tensor([1, 1, 0, 0]), 2), torch.zeros(4)
+    )  # int rewards
 
 
 def test_group_advantages_bad_input():
@@ -69,8 +82,8 @@ def test_token_weights_mean_one_bounds_ones_detached():
     old = torch.randn(3, 8, generator=g, dtype=torch.float64) - 2
     beh = (old + 3 * torch.randn(3, 8, generator=g, dtype=torch.float64)).requires_grad_(True)
     inter = torch.rand(3, 8, generator=g) < 0.5
-    inter[2] = False                                           # a row with no intervened token
-    w_free = token_weights(beh, old, inter, 0.0, math.inf)     # unclipped form
+    inter[2] = False  # a row with no intervened token
+    w_free = token_weights(beh, old, inter, 0.0, math.inf)  # unclipped form
     for i in range(2):
         assert w_free[i][inter[i]].mean().item() == pytest.approx(1.0, abs=1e-12)
     w = token_weights(beh, old, inter, 0.2, 3.0)
@@ -79,13 +92,19 @@ def test_token_weights_mean_one_bounds_ones_detached():
     assert (w[inter] >= 0.2).all() and (w[inter] <= 3.0).all()
     assert (w_free[inter] > 3.0).any() or (w_free[inter] < 0.2).any()  # the clip had work to do
     # huge shifts stay finite (log-space mean)
-    w_big = token_weights(t([[500.0, 0.0, -500.0]]), t([[0.0, 0.0, 0.0]]), torch.ones(1, 3, dtype=torch.bool), 0, math.inf)
+    w_big = token_weights(
+        t([[500.0, 0.0, -500.0]]),
+        t([[0.0, 0.0, 0.0]]),
+        torch.ones(1, 3, dtype=torch.bool),
+        0,
+        math.inf,
+    )
     assert w_big.flatten().tolist() == pytest.approx([3.0, 0.0, 0.0])
 
 
 def test_token_weights_hand_values():
     old = t([[LN(0.5), LN(0.4), LN(0.3)]])
-    beh = old + t([[0.0, LN(1.0), LN(3.0)]])              # exp(delta) on I = [1, 3], mean 2
+    beh = old + t([[0.0, LN(1.0), LN(3.0)]])  # exp(delta) on I = [1, 3], mean 2
     w = token_weights(beh, old, torch.tensor([[False, True, True]]), 0.2, 3.0)
     assert w.flatten().tolist() == pytest.approx([1.0, 0.5, 1.5], rel=1e-12)
     w = token_weights(beh, old, torch.tensor([[False, True, True]]), 0.6, 1.2)
@@ -95,8 +114,8 @@ def test_token_weights_hand_values():
 # ---------------------------------------------------------------- hand-computed losses
 def _calibrated_case():
     old = t([[LN(0.5), LN(0.4), LN(0.3)]])
-    logp = leaf(old + t([[LN(1.5), LN(1.0), LN(0.9)]]))   # rho = [1.5, 1.0, 0.9]
-    beh = old + t([[0.0, 0.0, LN(3.0)]])                  # weights on I: [0.5, 1.5]
+    logp = leaf(old + t([[LN(1.5), LN(1.0), LN(0.9)]]))  # rho = [1.5, 1.0, 0.9]
+    beh = old + t([[0.0, 0.0, LN(3.0)]])  # weights on I: [0.5, 1.5]
     return logp, old, beh, torch.tensor([[P, I, I]])
 
 
@@ -115,7 +134,9 @@ def test_calibrated_hand_value_and_grad():
 
 def test_calibrated_without_reweight_hand_value():
     logp, old, beh, src = _calibrated_case()
-    loss, m = policy_loss(logp, old, t([1.0]), torch.ones(1, 3), src, beh, config=LossConfig(reweight=False))
+    loss, m = policy_loss(
+        logp, old, t([1.0]), torch.ones(1, 3), src, beh, config=LossConfig(reweight=False)
+    )
     assert loss.item() == pytest.approx((-1.28 - 1.0 - 0.9) / 3, rel=1e-12)
     assert m["weight_mean"] == 1.0
 
@@ -127,7 +148,9 @@ def test_behavior_mode_hand_value():
     # rho = [0.5 (policy, vs old), 0.25 (naive, vs mu), 1.2 (naive)], A = -1:
     # -min(-rho, -clip(rho)) = [0.8, 0.8, 1.2]
     cfg = LossConfig(is_mode="behavior")
-    loss, m = policy_loss(logp, old, t([-1.0]), torch.ones(1, 3), torch.tensor([[P, I, I]]), beh, config=cfg)
+    loss, m = policy_loss(
+        logp, old, t([-1.0]), torch.ones(1, 3), torch.tensor([[P, I, I]]), beh, config=cfg
+    )
     assert loss.item() == pytest.approx(2.8 / 3, rel=1e-12)
     assert m["clip_frac"] == pytest.approx(2 / 3)
     assert m["naive_ratio_out_of_clip"] == pytest.approx(0.5)
@@ -148,14 +171,16 @@ def test_behavior_mode_reproduces_naive_ratio():
 
 def test_luffy_hand_value_and_grad():
     logp = leaf(t([[LN(0.5), LN(0.4)]]))
-    old = t([[LN(0.5), LN(0.9)]])                         # policy rho = 1; old ignored for luffy token
+    old = t([[LN(0.5), LN(0.9)]])  # policy rho = 1; old ignored for luffy token
     cfg = LossConfig(is_mode="luffy", luffy_gamma=0.1)
     loss, m = policy_loss(logp, old, t([2.0]), torch.ones(1, 2), torch.tensor([[P, I]]), config=cfg)
     # f = .4 / (.4 + .1) = .8; loss_t = [-2, -1.6]; df/dlogp = p g / (p + g)^2 = .04 / .25 = .16
     assert loss.item() == pytest.approx(-1.8, rel=1e-12)
     loss.backward()
     assert logp.grad.flatten().tolist() == pytest.approx([-1.0, -2 * 0.16 / 2], rel=1e-12)
-    assert m["ratio_min"] == m["ratio_max"] == pytest.approx(1.0)  # f is not a ratio: not logged as one
+    assert (
+        m["ratio_min"] == m["ratio_max"] == pytest.approx(1.0)
+    )  # f is not a ratio: not logged as one
 
 
 def test_aggregate_hand_values():
@@ -165,17 +190,19 @@ def test_aggregate_hand_values():
     assert aggregate(L, m, "seq-mean-token-mean").item() == pytest.approx(2.75)
     assert aggregate(L, m, "seq-mean-token-sum-norm").item() == pytest.approx(7 / 6)
     assert aggregate(L, m, "seq-mean-token-sum-norm", max_len=7).item() == pytest.approx(0.5)
-    m_empty = t([[1, 1, 0], [0, 0, 0]])                   # an empty row contributes nothing
+    m_empty = t([[1, 1, 0], [0, 0, 0]])  # an empty row contributes nothing
     assert aggregate(L, m_empty, "token-mean").item() == pytest.approx(1.5)
     assert aggregate(L, m_empty, "seq-mean-token-mean").item() == pytest.approx(1.5)
     assert aggregate(L, m_empty, "seq-mean-token-sum-norm").item() == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("agg,expect", [("token-mean", -4 / 3), ("seq-mean-token-mean", -1.5),
-                                        ("seq-mean-token-sum-norm", -4 / 6)])
+@pytest.mark.parametrize(
+    "agg,expect",
+    [("token-mean", -4 / 3), ("seq-mean-token-mean", -1.5), ("seq-mean-token-sum-norm", -4 / 6)],
+)
 def test_policy_loss_each_aggregation_hand_value(agg, expect):
     old = t([[-1.0, -2.0, -3.0], [-0.5, -0.1, -9.0]])
-    m = t([[1, 1, 0], [1, 0, 0]])                         # rho = 1: loss_t = -A = [[-1, -1], [-2]]
+    m = t([[1, 1, 0], [1, 0, 0]])  # rho = 1: loss_t = -A = [[-1, -1], [-2]]
     loss, _ = policy_loss(leaf(old), old, t([1.0, 2.0]), m, config=LossConfig(agg=agg))
     assert loss.item() == pytest.approx(expect, rel=1e-12)
 
@@ -184,7 +211,7 @@ def test_kl_hand_value():
     logp, ref = t([[LN(0.5)]]), t([[LN(0.25)]])
     cfg = LossConfig(kl_coef=0.1)
     loss, m = policy_loss(leaf(logp), logp, t([0.0]), torch.ones(1, 1), ref_logp=ref, config=cfg)
-    kl = 0.5 + LN(2) - 1                                  # exp(-ln 2) - (-ln 2) - 1
+    kl = 0.5 + LN(2) - 1  # exp(-ln 2) - (-ln 2) - 1
     assert loss.item() == pytest.approx(0.1 * kl, rel=1e-12)
     assert m["ref_kl"] == pytest.approx(kl, rel=1e-12)
 
@@ -192,7 +219,7 @@ def test_kl_hand_value():
 def test_gspo_hand_value_and_grad():
     old = t([[-1.0, -2.0]])
     cfg = LossConfig(ratio_level="sequence")
-    logp = leaf(old + t([[LN(2.0), 0.0]]))                # s = exp(ln2 / 2) = sqrt 2
+    logp = leaf(old + t([[LN(2.0), 0.0]]))  # s = exp(ln2 / 2) = sqrt 2
     loss, m = policy_loss(logp, old, t([-1.0]), torch.ones(1, 2), config=cfg)
     assert loss.item() == pytest.approx(math.sqrt(2), rel=1e-12)  # -min(-1.414, -1.28)
     loss.backward()
@@ -205,9 +232,9 @@ def test_gspo_hand_value_and_grad():
 
 
 def test_clip_frac_counts_only_the_active_side():
-    old = torch.log(torch.tensor([[0.5, 0.4, 0.3]]))       # float32, as a trainer would pass
+    old = torch.log(torch.tensor([[0.5, 0.4, 0.3]]))  # float32, as a trainer would pass
     logp = old + torch.log(torch.tensor([[0.5, 1.5, 1.1]]))
-    for a in (1.0, -1.0):                                  # A > 0: only 1.5 clipped; A < 0: only 0.5
+    for a in (1.0, -1.0):  # A > 0: only 1.5 clipped; A < 0: only 0.5
         _, m = policy_loss(logp, old, torch.tensor([a]), torch.ones(1, 3))
         assert m["clip_frac"] == pytest.approx(1 / 3)
         assert m["ratio_mean"] == pytest.approx(3.1 / 3, rel=1e-6)
@@ -229,7 +256,10 @@ def loop_loss(logp, old, adv, mask, src, beh, ref, cfg):
             w.update({k: min(max(e[k] / avg, cfg.w_min), cfg.w_max) for k in inter})
 
         def anchor(k):
-            return beh[i, k].item() if (cfg.is_mode == "behavior" and k in inter) else old[i, k].item()
+            return (
+                beh[i, k].item() if (cfg.is_mode == "behavior" and k in inter) else old[i, k].item()
+            )
+
         if tr:
             s = math.exp(sum(logp[i, k].item() - anchor(k) for k in tr) / len(tr))
         row = []
@@ -272,19 +302,23 @@ def _random_batch(seed, B=4, T=5):
     ref = old + 0.2 * rn()
     src = (torch.rand(B, T, generator=g) < 0.5).long()
     mask = (torch.rand(B, T, generator=g) < 0.8).double()
-    mask[1] = 0.0                                          # an empty row
+    mask[1] = 0.0  # an empty row
     mask[0, 0] = 1.0
     src[0, 0] = I
     adv = torch.randn(B, generator=g, dtype=torch.float64)
     return logp, old, adv, mask, src, beh, ref
 
 
-CONFIGS = [LossConfig(is_mode=mo, agg=ag, ratio_level=lv, reweight=rw, kl_coef=kl, max_len=ml)
-           for mo, ag, lv, rw in itertools.product(
-               ("calibrated", "behavior", "luffy"),
-               ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-               ("token", "sequence"), (True, False))
-           for kl, ml in [((0.05, 8) if ag == "seq-mean-token-sum-norm" and rw else (0.0, None))]]
+CONFIGS = [
+    LossConfig(is_mode=mo, agg=ag, ratio_level=lv, reweight=rw, kl_coef=kl, max_len=ml)
+    for mo, ag, lv, rw in itertools.product(
+        ("calibrated", "behavior", "luffy"),
+        ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+        ("token", "sequence"),
+        (True, False),
+    )
+    for kl, ml in [((0.05, 8) if ag == "seq-mean-token-sum-norm" and rw else (0.0, None))]
+]
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -295,8 +329,8 @@ def test_vectorised_equals_loop(seed):
             lv, ll = leaf(logp0), leaf(logp0)
             loss, _ = policy_loss(lv, old, a, mask, src, beh, ref, cfg)
             ref_loss = loop_loss(ll, old, a, mask, src, beh, ref, cfg)
-            gv, = torch.autograd.grad(loss, lv)
-            gl, = torch.autograd.grad(ref_loss, ll)
+            (gv,) = torch.autograd.grad(loss, lv)
+            (gl,) = torch.autograd.grad(ref_loss, ll)
             assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-9, abs=1e-12), cfg
             assert torch.allclose(gv, gl, rtol=1e-9, atol=1e-12), cfg
 
@@ -304,19 +338,27 @@ def test_vectorised_equals_loop(seed):
 def test_loop_reference_sees_clipping_and_weights():
     """Guard that the random batch exercises the clip and the weight clip (else the loop test is weak)."""
     logp, old, adv, mask, src, beh, ref = _random_batch(0)
-    _, m = policy_loss(logp, old, adv, mask, src, beh, config=LossConfig(clip_low=0.1, clip_high=0.1))
+    _, m = policy_loss(
+        logp, old, adv, mask, src, beh, config=LossConfig(clip_low=0.1, clip_high=0.1)
+    )
     assert m["clip_frac"] > 0 and m["weight_max"] > 1.0
     _, m = policy_loss(logp, old, adv, mask, src, beh)
     assert m["clip_frac"] > 0
 
 
 # ---------------------------------------------------------------- gradients and invariants
-@pytest.mark.parametrize("cfg", [LossConfig(), LossConfig(is_mode="luffy", ratio_level="sequence"),
-                                 LossConfig(is_mode="behavior", agg="seq-mean-token-mean", kl_coef=0.1)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LossConfig(),
+        LossConfig(is_mode="luffy", ratio_level="sequence"),
+        LossConfig(is_mode="behavior", agg="seq-mean-token-mean", kl_coef=0.1),
+    ],
+)
 def test_masked_tokens_get_exactly_zero_grad(cfg):
     logp, old, adv, mask, src, beh, ref = _random_batch(3)
     logp = logp.clone()
-    logp[mask == 0] = -math.inf                            # -inf is allowed where loss_mask is 0
+    logp[mask == 0] = -math.inf  # -inf is allowed where loss_mask is 0
     old[mask == 0] = -math.inf
     lv = leaf(logp)
     loss, m = policy_loss(lv, old, adv, mask.bool(), src, beh, ref, cfg)
@@ -329,13 +371,15 @@ def test_masked_tokens_get_exactly_zero_grad(cfg):
 
 def test_ratio_exactly_one_at_first_step():
     logp, old, adv, mask, src, beh, _ = _random_batch(4)
-    beh = (old + 5.0).clamp(max=0.0)                       # corrector far off the policy
+    beh = (old + 5.0).clamp(max=0.0)  # corrector far off the policy
     rho = importance_ratios(old.clone(), old, src, beh, LossConfig(), loss_mask=mask)
     assert torch.equal(rho, torch.ones_like(rho))
     for level in ("token", "sequence"):
-        _, m = policy_loss(leaf(old), old, adv, mask, src, beh, config=LossConfig(ratio_level=level))
+        _, m = policy_loss(
+            leaf(old), old, adv, mask, src, beh, config=LossConfig(ratio_level=level)
+        )
         assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["clip_frac"] == 0.0
-        assert m["naive_ratio_out_of_clip"] == 1.0          # the naive ratio pi / mu would be clipped
+        assert m["naive_ratio_out_of_clip"] == 1.0  # the naive ratio pi / mu would be clipped
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -344,10 +388,14 @@ def test_gspo_equals_grpo_when_ratios_are_one(agg):
     out = []
     for level in ("token", "sequence"):
         lv = leaf(old)
-        loss, _ = policy_loss(lv, old, adv, mask, src, beh, config=LossConfig(agg=agg, ratio_level=level))
+        loss, _ = policy_loss(
+            lv, old, adv, mask, src, beh, config=LossConfig(agg=agg, ratio_level=level)
+        )
         loss.backward()
         out.append((loss.detach(), lv.grad))
-    assert torch.allclose(out[0][0], out[1][0], rtol=1e-12) and torch.allclose(out[0][1], out[1][1], rtol=1e-12)
+    assert torch.allclose(out[0][0], out[1][0], rtol=1e-12) and torch.allclose(
+        out[0][1], out[1][1], rtol=1e-12
+    )
     assert out[0][1].abs().sum() > 0
 
 
@@ -359,15 +407,23 @@ def test_behavior_logp_none_means_zeros():
 
 
 # ---------------------------------------------------------------- edge cases
-@pytest.mark.parametrize("cfg", [LossConfig(agg=a, ratio_level=lv, is_mode=mo) for a in
-                                 ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-                                 for lv in ("token", "sequence") for mo in ("calibrated", "luffy")])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LossConfig(agg=a, ratio_level=lv, is_mode=mo)
+        for a in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+        for lv in ("token", "sequence")
+        for mo in ("calibrated", "luffy")
+    ],
+)
 def test_edge_cases_finite(cfg):
     logp, old, _, mask, src, beh, _ = _random_batch(7)
-    adv = group_advantages(t([1, 1, 0, 0]), 2)             # zero-spread groups -> zero advantages
-    cases = {"empty row + zero spread": (adv, mask, src),
-             "no intervened tokens": (t([1.0, -1.0, 0.5, 2.0]), mask, torch.zeros_like(src)),
-             "all masked": (t([1.0, -1.0, 0.5, 2.0]), torch.zeros_like(mask), src)}
+    adv = group_advantages(t([1, 1, 0, 0]), 2)  # zero-spread groups -> zero advantages
+    cases = {
+        "empty row + zero spread": (adv, mask, src),
+        "no intervened tokens": (t([1.0, -1.0, 0.5, 2.0]), mask, torch.zeros_like(src)),
+        "all masked": (t([1.0, -1.0, 0.5, 2.0]), torch.zeros_like(mask), src),
+    }
     for name, (a, m, s) in cases.items():
         lv = leaf(logp)
         loss, met = policy_loss(lv, old, a, m, s, beh, config=cfg)
@@ -386,13 +442,19 @@ def test_edge_cases_finite(cfg):
 # ---------------------------------------------------------------- bad input
 def test_shape_mismatch_names_both_shapes():
     x = torch.zeros(2, 5)
-    with pytest.raises(ValueError, match=r"logp has shape \(2, 5\) but old_logp has shape \(2, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"logp has shape \(2, 5\) but old_logp has shape \(2, 4\)"
+    ):
         policy_loss(x, torch.zeros(2, 4), torch.zeros(2), torch.ones(2, 5))
     with pytest.raises(ValueError, match=r"but source has shape \(5, 2\)"):
-        policy_loss(x, x, torch.zeros(2), torch.ones(2, 5), source=torch.zeros(5, 2, dtype=torch.long))
+        policy_loss(
+            x, x, torch.zeros(2), torch.ones(2, 5), source=torch.zeros(5, 2, dtype=torch.long)
+        )
     with pytest.raises(ValueError, match=r"advantages has shape \(3,\)"):
         policy_loss(x, x, torch.zeros(3), torch.ones(2, 5))
-    with pytest.raises(ValueError, match=r"loss_mat has shape \(2, 5\) but loss_mask has shape \(2, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"loss_mat has shape \(2, 5\) but loss_mask has shape \(2, 4\)"
+    ):
         aggregate(x, torch.ones(2, 4))
 
 
@@ -402,8 +464,14 @@ def test_nan_or_inf_names_the_tensor(name, bad):
     args = {k: torch.full((2, 3), -1.0) for k in ("logp", "old_logp", "behavior_logp", "ref_logp")}
     args[name][1, 2] = bad
     with pytest.raises(ValueError, match=rf"^{name} contains NaN or \+inf"):
-        policy_loss(args["logp"], args["old_logp"], torch.zeros(2), torch.ones(2, 3),
-                    behavior_logp=args["behavior_logp"], ref_logp=args["ref_logp"])
+        policy_loss(
+            args["logp"],
+            args["old_logp"],
+            torch.zeros(2),
+            torch.ones(2, 3),
+            behavior_logp=args["behavior_logp"],
+            ref_logp=args["ref_logp"],
+        )
 
 
 def test_neg_inf_rejected_on_trained_token_and_other_bad_input():
@@ -420,24 +488,33 @@ def test_neg_inf_rejected_on_trained_token_and_other_bad_input():
         policy_loss(x, x, torch.zeros(1), torch.ones(1, 3), source=torch.full((1, 3), 2))
 
 
-@pytest.mark.parametrize("field,value,pattern", [
-    ("is_mode", "naive", r"is_mode: must be one of \('calibrated', 'behavior', 'luffy'\), got 'naive'"),
-    ("agg", "mean", r"agg: must be one of \('token-mean'.*got 'mean'"),
-    ("ratio_level", "seq", r"ratio_level: must be one of \('token', 'sequence'\), got 'seq'"),
-    ("clip_low", -0.1, r"clip_low: must be in \[0, 1\], got -0.1"),
-    ("clip_high", float("nan"), r"clip_high: .*got nan"),
-    ("w_max", 0.1, r"w_max: must be >= w_min .*got 0.1"),
-    ("luffy_gamma", 0.0, r"luffy_gamma: .*got 0.0"),
-    ("kl_coef", -1.0, r"kl_coef: .*got -1.0"),
-    ("reweight", 1, r"reweight: must be a bool, got 1"),
-    ("scale_advantages", "yes", r"scale_advantages: must be a bool, got 'yes'"),
-    ("max_len", 0, r"max_len: .*got 0"),
-])
+@pytest.mark.parametrize(
+    "field,value,pattern",
+    [
+        (
+            "is_mode",
+            "naive",
+            r"is_mode: must be one of \('calibrated', 'behavior', 'luffy'\), got 'naive'",
+        ),
+        ("agg", "mean", r"agg: must be one of \('token-mean'.*got 'mean'"),
+        ("ratio_level", "seq", r"ratio_level: must be one of \('token', 'sequence'\), got 'seq'"),
+        ("clip_low", -0.1, r"clip_low: must be in \[0, 1\], got -0.1"),
+        ("clip_high", float("nan"), r"clip_high: .*got nan"),
+        ("w_max", 0.1, r"w_max: must be >= w_min .*got 0.1"),
+        ("luffy_gamma", 0.0, r"luffy_gamma: .*got 0.0"),
+        ("kl_coef", -1.0, r"kl_coef: .*got -1.0"),
+        ("reweight", 1, r"reweight: must be a bool, got 1"),
+        ("scale_advantages", "yes", r"scale_advantages: must be a bool, got 'yes'"),
+        ("max_len", 0, r"max_len: .*got 0"),
+    ],
+)
 def test_config_validation(field, value, pattern):
     with pytest.raises(ValueError, match=pattern):
         LossConfig(**{field: value})
 
 
 def test_aggregate_unknown_mode_lists_choices():
-    with pytest.raises(ValueError, match=r"unknown aggregation mode 'sum'; valid choices: \('token-mean'"):
+    with pytest.raises(
+        ValueError, match=r"unknown aggregation mode 'sum'; valid choices: \('token-mean'"
+    ):
         aggregate(torch.zeros(1, 2), torch.ones(1, 2), "sum")

@@ -1,4 +1,5 @@
 """rti.py: token bookkeeping, KV-cached batched decoding, warm start, training steps, resume, flags, smoke run."""
+
 import copy
 import json
 import random
@@ -41,7 +42,7 @@ def test_agent_tokens_and_only_agent_tokens_are_trained(tiny):
             trained = [m for m in t.loss_mask[start:end]]
             closed = agent[-1] == chat.eos_id
             assert closed, "every turn ends with eos"
-            if trained[-1] == 0:          # turn cut at max_turn_tokens: eos appended, not trained
+            if trained[-1] == 0:  # turn cut at max_turn_tokens: eos appended, not trained
                 assert len(agent) == policy.max_turn_tokens + 1 and chat.eos_id not in agent[:-1]
             expected_ids += agent
             expected_mask += [1] * (len(agent) - (trained[-1] == 0)) + [0] * (trained[-1] == 0)
@@ -64,7 +65,7 @@ def test_decoded_sequence_is_the_rendered_conversation(tiny):
         messages = []
         for k, (start, end) in enumerate(t.turns):
             messages.append({"role": "user", "content": t.observations[k]})
-            agent = t.ids[start:end - 1]            # without the closing eos
+            agent = t.ids[start : end - 1]  # without the closing eos
             messages.append({"role": "assistant", "content": tok.decode(agent)})
         rendered = tok.apply_chat_template(messages, tokenize=False)
         # an empty agent turn renders as "<|assistant|>  <|im_end|>": equal up to runs of spaces, and equal ids
@@ -96,29 +97,47 @@ def test_keep_packs_out_holes(tiny):
     s.feed([1], [extra[1]])
     assert s.mask.shape == (2, 8)
     s.keep([0, 1])
-    assert s.mask.tolist() == [[1] * 6, [1] * 5 + [0]] and s.real_slots == [list(range(6)), list(range(5))]
+    assert s.mask.tolist() == [[1] * 6, [1] * 5 + [0]] and s.real_slots == [
+        list(range(6)),
+        list(range(5)),
+    ]
     assert all(layer.keys.shape[2] == 6 for layer in s.cache.layers)
     s.feed([0, 1], [[16], [17, 18]])
     for row in (0, 1):
         with torch.no_grad():
-            ref = model(input_ids=torch.tensor([seqs[row] + extra[row] + [[16], [17, 18]][row]])).logits[0, -1]
+            ref = model(
+                input_ids=torch.tensor([seqs[row] + extra[row] + [[16], [17, 18]][row]])
+            ).logits[0, -1]
         assert torch.allclose(s.last_logits[row], ref, atol=1e-4)
 
 
 def test_keep_on_a_sliding_window_model_drops_rows_only():
     """A sliding-window layer keeps only its last columns, so keep() must not gather columns there: it drops rows."""
     torch.manual_seed(0)
-    model = rti.Qwen3ForCausalLM(rti.Qwen3Config(
-        vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, use_sliding_window=True, sliding_window=4, max_window_layers=0)).eval()
+    model = rti.Qwen3ForCausalLM(
+        rti.Qwen3Config(
+            vocab_size=40,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            use_sliding_window=True,
+            sliding_window=4,
+            max_window_layers=0,
+        )
+    ).eval()
     s = rti.DecodeSession(model, [[5, 6, 7, 8, 9, 10], [11, 12]], 0)
     s.feed([1], [[13, 14, 15]])
     keys, logits = [layer.keys[1:].clone() for layer in s.cache.layers], s.last_logits[1].clone()
     width = s.mask.shape[1]
     s.keep([1])
-    assert all(torch.equal(layer.keys, k) for layer, k in zip(s.cache.layers, keys)) and all(s.cache.is_sliding)
+    assert all(torch.equal(layer.keys, k) for layer, k in zip(s.cache.layers, keys)) and all(
+        s.cache.is_sliding
+    )
     assert s.mask.shape == (1, width) and torch.equal(s.last_logits[0], logits)
-    s.feed([0], [[16]])   # decoding goes on
+    s.feed([0], [[16]])  # decoding goes on
 
 
 def test_keep_drops_rows_and_their_hole_columns(tiny):
@@ -128,9 +147,9 @@ def test_keep_drops_rows_and_their_hole_columns(tiny):
     seqs = [[rng.randrange(4, len(tok)) for _ in range(n)] for n in (4, 11, 6)]
     s = rti.DecodeSession(model, seqs, tok.pad_token_id, seeds=[10, 11, 12])
     s.feed([0, 1, 2], [[7], [8, 9, 10, 11, 12], [13]])
-    assert s.mask.shape == (3, 16)     # 11 prefix columns + 5 for the second feed
-    s.keep([2, 0])                      # row 1, the longest, leaves; row 2 becomes row 0
-    assert s.mask.shape == (2, 7) and s.n == 2   # row 2's 6 + 1 columns; row 0's lie among them
+    assert s.mask.shape == (3, 16)  # 11 prefix columns + 5 for the second feed
+    s.keep([2, 0])  # row 1, the longest, leaves; row 2 becomes row 0
+    assert s.mask.shape == (2, 7) and s.n == 2  # row 2's 6 + 1 columns; row 0's lie among them
     assert [len(r) for r in s.real_slots] == [7, 5]
     s.feed([0, 1], [[14, 15], [16]])
     for row, full in ((0, seqs[2] + [13, 14, 15]), (1, seqs[0] + [7, 16])):
@@ -178,7 +197,7 @@ def test_padding_changes_no_real_tokens_logprob(tiny):
     for pad_id in (0, 7):
         together = rti.token_logprobs(model, seqs, pad_id, 0.7, "cpu")
         for row, s, lp in zip(together, seqs, alone):
-            assert torch.allclose(row[:len(s)], lp, atol=1e-5)
+            assert torch.allclose(row[: len(s)], lp, atol=1e-5)
 
 
 def test_same_seed_same_trajectories(tiny):
@@ -199,8 +218,13 @@ def test_batched_equals_one_at_a_time(tiny):
 
 
 def test_warm_start_lowers_its_loss(tmp_path):
-    cfg = rti.make_config(warmstart.WarmStartConfig, ws_steps=40, ws_batch=8, ws_out=str(tmp_path / "ws"),
-                          progress=False)
+    cfg = rti.make_config(
+        warmstart.WarmStartConfig,
+        ws_steps=40,
+        ws_batch=8,
+        ws_out=str(tmp_path / "ws"),
+        progress=False,
+    )
     _, _, losses = warmstart.warmstart(cfg, log=lambda *a: None)
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert (tmp_path / "ws" / "config.json").exists()
@@ -209,7 +233,9 @@ def test_warm_start_lowers_its_loss(tmp_path):
 def test_teacher_sequence_hint_tokens_are_not_trained(tiny):
     chat = rti.Chat(tiny[1])
     task = easy_tasks(1)[0]
-    ids, w = warmstart.teacher_sequence(chat, task, random.Random(0), hint_frac=1.0, obs_weight=0.5, route_frac=0.0)
+    ids, w = warmstart.teacher_sequence(
+        chat, task, random.Random(0), hint_frac=1.0, obs_weight=0.5, route_frac=0.0
+    )
     text = chat.tok.convert_ids_to_tokens(ids)
     inside = False
     for tok, wt in zip(text, w):
@@ -219,26 +245,43 @@ def test_teacher_sequence_hint_tokens_are_not_trained(tiny):
             assert wt == 0.0
         if tok == "</hint>":
             inside = False
-    assert text.count("<hint>") == len(envs.optimal_actions(task))      # and it does what each hint says
+    assert text.count("<hint>") == len(
+        envs.optimal_actions(task)
+    )  # and it does what each hint says
     assert 1.0 in w and 0.5 in w
 
 
 def test_teacher_routes_the_share_of_legs_it_is_told_and_always_succeeds(tiny):
     chat = rti.Chat(tiny[1])
     for task in easy_tasks(8):
+
         def actions(route_frac):
             ids, _ = warmstart.teacher_sequence(chat, task, random.Random(0), 0.0, 1.0, route_frac)
             acts = [w for w in chat.tok.decode(ids).split("<|assistant|>")[1:]]
             return [" ".join(a.split("<|im_end|>")[0].split()) for a in acts]
+
         oracle, walker = actions(1.0), actions(0.0)
-        assert oracle == envs.optimal_actions(task)                       # every leg: route, then follow it
-        assert "route" not in walker and envs.run_actions(task, walker).score().success   # shortest moves only
+        assert oracle == envs.optimal_actions(task)  # every leg: route, then follow it
+        assert (
+            "route" not in walker and envs.run_actions(task, walker).score().success
+        )  # shortest moves only
         assert len(walker) == len(oracle) - len(task.waypoints)
 
 
 def small_cfg(tmp_path, **kw):
-    base = dict(init="", train_split="easy", batch_tasks=2, group_size=4, steps=1, eval_tasks=0, progress=False,
-                out=str(tmp_path / "run"), lr=1e-3, save_every=1, mini_batches=1)
+    base = dict(
+        init="",
+        train_split="easy",
+        batch_tasks=2,
+        group_size=4,
+        steps=1,
+        eval_tasks=0,
+        progress=False,
+        out=str(tmp_path / "run"),
+        lr=1e-3,
+        save_every=1,
+        mini_batches=1,
+    )
     base.update(kw)
     return rti.make_config(**base)
 
@@ -257,16 +300,28 @@ def test_several_updates_score_pi_old_like_the_on_policy_forward(tiny, tmp_path)
     out = {}
     for n in (1, 2):
         cfg = small_cfg(tmp_path, updates_per_batch=n, micro_batch=3)
-        out[n] = rti.update(policy, torch.optim.SGD(policy.model.parameters(), lr=0.0), trajs, adv, cfg)
+        out[n] = rti.update(
+            policy, torch.optim.SGD(policy.model.parameters(), lr=0.0), trajs, adv, cfg
+        )
     assert out[1]["loss"] != 0.0
     assert out[2]["loss"] == pytest.approx(out[1]["loss"], abs=1e-6)
-    assert out[2]["ratio_min"] == pytest.approx(1.0, abs=1e-4) and out[2]["ratio_max"] == pytest.approx(1.0, abs=1e-4)
+    assert out[2]["ratio_min"] == pytest.approx(1.0, abs=1e-4) and out[2][
+        "ratio_max"
+    ] == pytest.approx(1.0, abs=1e-4)
 
 
 def test_one_training_step_changes_the_parameters(tmp_path):
     # an untrained model never succeeds; rule corrections on every step make some trajectories succeed
-    cfg = small_cfg(tmp_path, method="rti", corrector="rule", max_corrections=100, ppl_gate=False,
-                    batch_tasks=2, group_size=4, intervene_per_group=2)
+    cfg = small_cfg(
+        tmp_path,
+        method="rti",
+        corrector="rule",
+        max_corrections=100,
+        ppl_gate=False,
+        batch_tasks=2,
+        group_size=4,
+        intervene_per_group=2,
+    )
     policy = rti.init_sampler(cfg, rti.Backend(cfg))
     before = params(policy.model).clone()
     opt = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr)
@@ -282,32 +337,43 @@ def read_metrics(path):
 
 
 def test_resume_gives_the_same_run(tmp_path):
-    kw = dict(method="rti", steps=3, batch_tasks=2, group_size=2, train_split="easy", warmup_steps=3)
+    kw = dict(
+        method="rti", steps=3, batch_tasks=2, group_size=2, train_split="easy", warmup_steps=3
+    )
     straight = rti.train(small_cfg(tmp_path / "a", **kw), log=lambda *a: None)
     rti.train(small_cfg(tmp_path / "b", **{**kw, "steps": 2}), log=lambda *a: None)
-    with open(tmp_path / "b" / "run" / "metrics.jsonl", "a") as f:   # a step logged after the last checkpoint
+    with open(
+        tmp_path / "b" / "run" / "metrics.jsonl", "a"
+    ) as f:  # a step logged after the last checkpoint
         f.write(json.dumps({"step": 3, "train_success": 0.5}) + "\n")
     resumed = rti.train(small_cfg(tmp_path / "b", **kw, resume=True), log=lambda *a: None)
-    assert torch.allclose(params(straight["sampler"].model), params(resumed["sampler"].model), atol=1e-6)
-    same = lambda d: json.dumps(d, sort_keys=True)   # noqa: E731  (NaN rates compare equal as text)
-    assert same(resumed["interventions"]) == same(straight["interventions"])   # totals count the steps before resume
+    assert torch.allclose(
+        params(straight["sampler"].model), params(resumed["sampler"].model), atol=1e-6
+    )
+    same = lambda d: json.dumps(d, sort_keys=True)  # noqa: E731  (NaN rates compare equal as text)
+    assert same(resumed["interventions"]) == same(
+        straight["interventions"]
+    )  # totals count the steps before resume
     ma = read_metrics(tmp_path / "a" / "run" / "metrics.jsonl")
     mb = read_metrics(tmp_path / "b" / "run" / "metrics.jsonl")
     drop = lambda m: {k: v for k, v in m.items() if not k.startswith("time/")}
     assert [drop(m) for m in ma] == [drop(m) for m in mb]
 
 
-@pytest.mark.parametrize("flags,name", [
-    (["--group-size", "1"], "--group-size"),
-    (["--clip-low", "1.5"], "--clip-low"),
-    (["--model", "/no/such/dir"], "--model"),
-    (["--method", "ppo"], "--method"),
-    (["--temperature", "0"], "--temperature"),
-    (["--agg", "mean"], "--agg"),
-    (["--ppl-max", "1"], "--ppl-max"),
-    (["--verifier", "oracle"], "--verifier"),
-    (["--intervene-per-group", "9"], "--group-size"),
-])
+@pytest.mark.parametrize(
+    "flags,name",
+    [
+        (["--group-size", "1"], "--group-size"),
+        (["--clip-low", "1.5"], "--clip-low"),
+        (["--model", "/no/such/dir"], "--model"),
+        (["--method", "ppo"], "--method"),
+        (["--temperature", "0"], "--temperature"),
+        (["--agg", "mean"], "--agg"),
+        (["--ppl-max", "1"], "--ppl-max"),
+        (["--verifier", "oracle"], "--verifier"),
+        (["--intervene-per-group", "9"], "--group-size"),
+    ],
+)
 def test_bad_flags_stop_with_a_message_naming_the_flag(flags, name, capsys):
     with pytest.raises(SystemExit):
         rti.parse_args(flags)
@@ -319,19 +385,39 @@ def test_end_to_end_smoke(tmp_path, capsys):
     before/after evaluation, then `python rti.py eval` of the trained model."""
     ws = tmp_path / "ws"
     warmstart.main(["--ws-steps", "5", "--ws-batch", "4", "--ws-out", str(ws), "--no-progress"])
-    rti.main(["--init", str(ws), "--steps", "2", "--batch-tasks", "2", "--group-size", "2",
-              "--eval-tasks", "3", "--eval-samples", "4", "--out", str(tmp_path / "run"), "--no-progress",
-              "--train-split", "easy"])
+    rti.main(
+        [
+            "--init",
+            str(ws),
+            "--steps",
+            "2",
+            "--batch-tasks",
+            "2",
+            "--group-size",
+            "2",
+            "--eval-tasks",
+            "3",
+            "--eval-samples",
+            "4",
+            "--out",
+            str(tmp_path / "run"),
+            "--no-progress",
+            "--train-split",
+            "easy",
+        ]
+    )
     out = capsys.readouterr().out
     assert "warm start" in out and "p@1" in out
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == [0, 1, 2, 2]        # before, two steps, after
+    assert [r["step"] for r in rows] == [0, 1, 2, 2]  # before, two steps, after
     assert "test/p@1" in rows[0] and "test/p@1" in rows[-1] and "interventions over the run" in out
     assert "rti/groups_triggered" in rows[1]
     assert (tmp_path / "run" / "model" / "config.json").exists()
     rti.main(["eval", str(tmp_path / "run" / "model"), "--eval-tasks", "2", "--no-progress"])
     table = capsys.readouterr().out.splitlines()
-    assert table[0].startswith("| method | p@1 |") and table[2].startswith(f"| {tmp_path / 'run' / 'model'} |")
+    assert table[0].startswith("| method | p@1 |") and table[2].startswith(
+        f"| {tmp_path / 'run' / 'model'} |"
+    )
 
 
 def test_mini_batches_make_the_ratio_and_the_clip_act(tiny, tmp_path, monkeypatch):
@@ -345,15 +431,22 @@ def test_mini_batches_make_the_ratio_and_the_clip_act(tiny, tmp_path, monkeypatc
     calls = []
 
     def recording_loss(logp, old_logp, advantages, loss_mask, **kw):
-        calls.append((logp.detach().clone(), old_logp.clone(), advantages.clone(), loss_mask.clone(), kw))
+        calls.append(
+            (logp.detach().clone(), old_logp.clone(), advantages.clone(), loss_mask.clone(), kw)
+        )
         return policy_loss(logp, old_logp, advantages, loss_mask, **kw)
+
     monkeypatch.setattr(rti, "policy_loss", recording_loss)
     cfg = small_cfg(tmp_path, mini_batches=2, micro_batch=8)
-    rti.update(policy, torch.optim.AdamW(policy.model.parameters(), lr=0.05), trajs, adv, cfg, seed=3)
+    rti.update(
+        policy, torch.optim.AdamW(policy.model.parameters(), lr=0.05), trajs, adv, cfg, seed=3
+    )
     assert len(calls) == 2
     ratios = [torch.exp(lp - old)[m > 0] for lp, old, _, m, _ in calls]
-    assert torch.allclose(ratios[0], torch.ones_like(ratios[0]), atol=1e-5)   # before any step: pi = pi_old
-    assert (ratios[1] - 1).abs().max() > 0.3                                  # after one step: it acts
+    assert torch.allclose(
+        ratios[0], torch.ones_like(ratios[0]), atol=1e-5
+    )  # before any step: pi = pi_old
+    assert (ratios[1] - 1).abs().max() > 0.3  # after one step: it acts
     lp, old, a, m, kw = calls[1]
     lp = lp.requires_grad_()
     loss, metrics = policy_loss(lp, old, a, m, **kw)

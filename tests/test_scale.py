@@ -4,6 +4,7 @@ LoRA, flags the machine cannot serve, and FSDP2 on 2 CPU processes (gloo) agains
 `python -m torch.distributed.run --standalone --nproc_per_node 2 tests/test_scale.py OUT` is the 2-process worker
 that test_fsdp_two_processes_match_one_process launches.
 """
+
 import importlib.util
 import json
 import math
@@ -123,19 +124,41 @@ def qwen3_style_tokenizer():
     """A small byte-level BPE (trained here on the env's texts) with Qwen3's special tokens and chat template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    added = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+    added = [
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_response>",
+        "</tool_response>",
+        "<think>",
+        "</think>",
+    ]
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     task = envs.make_tasks("easy", n=1)[0]
-    corpus = [QWEN3_CHAT_TEMPLATE, json.dumps(NavigationTools.tools()), envs.Navigation(task).reset(),
-              " ".join(envs.Navigation.vocabulary())] + [format_tool_call(a) for a in envs.ACTIONS]
-    backend.train_from_iterator(corpus * 3, trainers.BpeTrainer(
-        vocab_size=700, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    corpus = [
+        QWEN3_CHAT_TEMPLATE,
+        json.dumps(NavigationTools.tools()),
+        envs.Navigation(task).reset(),
+        " ".join(envs.Navigation.vocabulary()),
+    ] + [format_tool_call(a) for a in envs.ACTIONS]
+    backend.train_from_iterator(
+        corpus * 3,
+        trainers.BpeTrainer(
+            vocab_size=700,
+            special_tokens=special,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=QWEN3_CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=QWEN3_CHAT_TEMPLATE,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -149,26 +172,44 @@ def qwen_tok():
 CALL = '<tool_call>\n{"name": "move", "arguments": {"direction": "up"}}\n</tool_call>'
 
 
-@pytest.mark.parametrize("text,action", [
-    (CALL, "move up"),
-    ('<tool_call>{"name": "finish", "arguments": {}}</tool_call>', "finish"),
-    ('<tool_call>{"name": "finish"}</tool_call>', "finish"),
-    ('<tool_call>{"name": "route", "arguments": {}}</tool_call>', "route"),
-    ('<tool_call>{"name": "route", "arguments": {"to": "A"}}</tool_call>', "unknown tool"),
-    ('<tool_call>{"name": "move", "arguments": "{\\"direction\\": \\"left\\"}"}</tool_call>', "move left"),
-    ("I will go up now.\n" + CALL + "\nDone.", "move up"),                        # text around one call
-    ("<think>\nmaybe <tool_call> down?\n</think>\n\n" + CALL, "move up"),       # a think block is skipped
-    ('<tool_call>{"name": "move", "arguments": {"direction": "up"}</tool_call>', "malformed JSON"),
-    ('<tool_call>["move", "up"]</tool_call>', "not a JSON object"),
-    ('<tool_call>{"name": "jump", "arguments": {}}</tool_call>', "unknown tool"),
-    ('<tool_call>{"name": "move", "arguments": {"direction": "north"}}</tool_call>', "unknown tool or arguments"),
-    ('<tool_call>{"name": "move", "arguments": {"direction": "up", "steps": 2}}</tool_call>', "unknown tool"),
-    ('<tool_call>{"name": "finish", "arguments": {"now": true}}</tool_call>', "unknown tool"),
-    ('<tool_call>{"name": "mo', "unterminated <tool_call>"),                    # cut off at max_turn_tokens
-    ("move up", "no <tool_call> block"),                                         # plain text is not a call
-    ("", "no <tool_call> block"),
-    (CALL + CALL, "2 calls in one turn"),
-])
+@pytest.mark.parametrize(
+    "text,action",
+    [
+        (CALL, "move up"),
+        ('<tool_call>{"name": "finish", "arguments": {}}</tool_call>', "finish"),
+        ('<tool_call>{"name": "finish"}</tool_call>', "finish"),
+        ('<tool_call>{"name": "route", "arguments": {}}</tool_call>', "route"),
+        ('<tool_call>{"name": "route", "arguments": {"to": "A"}}</tool_call>', "unknown tool"),
+        (
+            '<tool_call>{"name": "move", "arguments": "{\\"direction\\": \\"left\\"}"}</tool_call>',
+            "move left",
+        ),
+        ("I will go up now.\n" + CALL + "\nDone.", "move up"),  # text around one call
+        (
+            "<think>\nmaybe <tool_call> down?\n</think>\n\n" + CALL,
+            "move up",
+        ),  # a think block is skipped
+        (
+            '<tool_call>{"name": "move", "arguments": {"direction": "up"}</tool_call>',
+            "malformed JSON",
+        ),
+        ('<tool_call>["move", "up"]</tool_call>', "not a JSON object"),
+        ('<tool_call>{"name": "jump", "arguments": {}}</tool_call>', "unknown tool"),
+        (
+            '<tool_call>{"name": "move", "arguments": {"direction": "north"}}</tool_call>',
+            "unknown tool or arguments",
+        ),
+        (
+            '<tool_call>{"name": "move", "arguments": {"direction": "up", "steps": 2}}</tool_call>',
+            "unknown tool",
+        ),
+        ('<tool_call>{"name": "finish", "arguments": {"now": true}}</tool_call>', "unknown tool"),
+        ('<tool_call>{"name": "mo', "unterminated <tool_call>"),  # cut off at max_turn_tokens
+        ("move up", "no <tool_call> block"),  # plain text is not a call
+        ("", "no <tool_call> block"),
+        (CALL + CALL, "2 calls in one turn"),
+    ],
+)
 def test_parse_tool_call(text, action):
     got = parse_tool_call(text)
     if action in envs.ACTIONS:
@@ -177,7 +218,7 @@ def test_parse_tool_call(text, action):
         assert got.startswith("invalid tool call: ") and action in got
         env = envs.Navigation(envs.make_tasks("easy", n=1)[0])
         env.reset()
-        obs, done = env.step(got)                        # the env answers with an error observation, never raises
+        obs, done = env.step(got)  # the env answers with an error observation, never raises
         assert obs.startswith("error unknown action") and not done
         assert not env.check_step(got).valid
 
@@ -191,9 +232,15 @@ def test_every_action_round_trips_through_its_tool_call():
 
 # ----------------------------------------------------------------------------- chat pieces with Qwen3's template
 
+
 def render(tok, messages, thinking=False):
-    return tok.apply_chat_template(messages, tools=NavigationTools.tools(), tokenize=False,
-                                   add_generation_prompt=True, enable_thinking=thinking)
+    return tok.apply_chat_template(
+        messages,
+        tools=NavigationTools.tools(),
+        tokenize=False,
+        add_generation_prompt=True,
+        enable_thinking=thinking,
+    )
 
 
 def test_qwen3_chat_pieces_are_the_templates_and_prefix_stable(qwen_tok):
@@ -205,8 +252,14 @@ def test_qwen3_chat_pieces_are_the_templates_and_prefix_stable(qwen_tok):
     first = env.reset()
     prompt = render(tok, [{"role": "user", "content": first}])
     assert chat.prompt_ids(first) == chat.ids(prompt)
-    assert "<tools>" in prompt and '"name": "move"' in prompt and '"enum": ["up", "down", "left", "right"]' in prompt
-    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")      # thinking off by default
+    assert (
+        "<tools>" in prompt
+        and '"name": "move"' in prompt
+        and '"enum": ["up", "down", "left", "right"]' in prompt
+    )
+    assert prompt.endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )  # thinking off by default
     # a two-turn episode built from the pieces, as rollout builds it
     ids = chat.prompt_ids(first)
     for action in envs.optimal_actions(task)[:2]:
@@ -215,12 +268,18 @@ def test_qwen3_chat_pieces_are_the_templates_and_prefix_stable(qwen_tok):
         obs, _ = env.step(action)
         ids += agent + chat.turn_ids(obs)
         # what follows the agent's eos is exactly what the template writes after an assistant turn and a tool result
-        full = render(tok, [{"role": "user", "content": first}, {"role": "assistant", "content": "REPLY"},
-                            {"role": "tool", "content": obs}])
+        full = render(
+            tok,
+            [
+                {"role": "user", "content": first},
+                {"role": "assistant", "content": "REPLY"},
+                {"role": "tool", "content": obs},
+            ],
+        )
         assert tok.decode(chat.turn_ids(obs)) == full.split("REPLY<|im_end|>", 1)[1]
         assert f"<tool_response>\n{obs}\n</tool_response>" in tok.decode(chat.turn_ids(obs))
     text = tok.decode(ids)
-    assert chat.ids(text) == ids            # tokenizing the pieces one by one = tokenizing the whole text
+    assert chat.ids(text) == ids  # tokenizing the pieces one by one = tokenizing the whole text
     assert [text.count(t) - prompt.count(t) for t in ("<tool_call>", "<tool_response>")] == [2, 2]
 
 
@@ -228,7 +287,9 @@ def test_thinking_flag_reaches_the_template(qwen_tok):
     chat = ToolChat(qwen_tok, thinking=True)
     assert chat.prompt_post.endswith("<|im_start|>assistant\n")
     assert chat.turn_post.endswith("<|im_start|>assistant\n")
-    turn = chat.ids("<think>\nA is up and to the left.\n</think>\n\n" + format_tool_call("move left"))
+    turn = chat.ids(
+        "<think>\nA is up and to the left.\n</think>\n\n" + format_tool_call("move left")
+    )
     assert chat.action_text(turn + [chat.eos_id]) == "move left"
 
 
@@ -245,38 +306,81 @@ def test_rti_step_with_a_qwen3_template_model(qwen_tok):
     """A random model's turns are malformed calls (error observations); rule corrections are tool calls, succeed
     and are trained on."""
     model = rti.build_tiny_model(len(qwen_tok), seed=0)
-    model.config.eos_token_id, model.config.pad_token_id = qwen_tok.eos_token_id, qwen_tok.pad_token_id
-    policy = rti.Sampler(model, qwen_tok, temperature=1.0, max_turn_tokens=24, seed=0, chat=ToolChat(qwen_tok))
-    cfg = rti.make_config(init="", method="rti", corrector="rule", max_corrections=100, ppl_gate=False,
-                          intervene_per_group=1, group_size=2, batch_tasks=2, lr=1e-3)
+    model.config.eos_token_id, model.config.pad_token_id = (
+        qwen_tok.eos_token_id,
+        qwen_tok.pad_token_id,
+    )
+    policy = rti.Sampler(
+        model, qwen_tok, temperature=1.0, max_turn_tokens=24, seed=0, chat=ToolChat(qwen_tok)
+    )
+    cfg = rti.make_config(
+        init="",
+        method="rti",
+        corrector="rule",
+        max_corrections=100,
+        ppl_gate=False,
+        intervene_per_group=1,
+        group_size=2,
+        batch_tasks=2,
+        lr=1e-3,
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     m = rti.train_step(policy, opt, envs.make_tasks("easy", n=2), cfg)
     assert m["train_success"] == 0 and m["train_success_after_rti"] > 0 and math.isfinite(m["loss"])
     trajs = rti.rollout(policy, envs.make_tasks("easy", n=1), 1)
     assert all(a.startswith("invalid tool call") for a in trajs[0].actions)
     assert all(o.startswith("error unknown action") for o in trajs[0].observations[1:])
-    rewrite = intervene.RuleCorrector(policy).rewrite([intervene.StepUnderReview(trajs[0], envs.Navigation(trajs[0].task))])[0]
-    assert qwen_tok.decode(rewrite.agent_ids).startswith("<tool_call>\n{\"name\": ")
+    rewrite = intervene.RuleCorrector(policy).rewrite(
+        [intervene.StepUnderReview(trajs[0], envs.Navigation(trajs[0].task))]
+    )[0]
+    assert qwen_tok.decode(rewrite.agent_ids).startswith('<tool_call>\n{"name": ')
 
 
 def test_model_path_loads_a_local_model_with_its_template_and_flags(qwen_tok, tmp_path):
     model = rti.build_tiny_model(len(qwen_tok), seed=0)
     model.save_pretrained(tmp_path / "m")
     qwen_tok.save_pretrained(tmp_path / "m")
-    _, _, cfg = rti.parse_args(["--model", str(tmp_path / "m"), "--dtype", "bf16", "--attn-implementation", "eager",
-                                "--thinking"], scale.ScaleConfig, ("train",))
+    _, _, cfg = rti.parse_args(
+        [
+            "--model",
+            str(tmp_path / "m"),
+            "--dtype",
+            "bf16",
+            "--attn-implementation",
+            "eager",
+            "--thinking",
+        ],
+        scale.ScaleConfig,
+        ("train",),
+    )
     policy = rti.init_sampler(cfg, scale.ScaleBackend(cfg))
-    assert policy.chat.tools and policy.chat.prompt_post.endswith("assistant\n")      # thinking on: no empty block
+    assert policy.chat.tools and policy.chat.prompt_post.endswith(
+        "assistant\n"
+    )  # thinking on: no empty block
     assert policy.model.config._attn_implementation == "eager"
     assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
 
 
 # ----------------------------------------------------------------------------- bf16, gradient checkpointing, LoRA
 
+
 def small_cfg(tmp_path, **kw):
-    base = dict(init="", train_split="easy", batch_tasks=2, group_size=4, steps=1, eval_tasks=0, progress=False,
-                out=str(tmp_path / "run"), lr=1e-3, method="rti", corrector="rule", max_corrections=100,
-                ppl_gate=False, intervene_per_group=2)
+    base = dict(
+        init="",
+        train_split="easy",
+        batch_tasks=2,
+        group_size=4,
+        steps=1,
+        eval_tasks=0,
+        progress=False,
+        out=str(tmp_path / "run"),
+        lr=1e-3,
+        method="rti",
+        corrector="rule",
+        max_corrections=100,
+        ppl_gate=False,
+        intervene_per_group=2,
+    )
     base.update(kw)
     return rti.make_config(scale.ScaleConfig, **base)
 
@@ -285,7 +389,9 @@ def one_step(cfg):
     torch.manual_seed(0)
     backend = scale.ScaleBackend(cfg)
     policy = rti.init_sampler(cfg, backend)
-    trainable = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+    trainable = {
+        n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad
+    }
     opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=cfg.lr)
     m = rti.train_step(policy, opt, envs.make_tasks("easy", n=2), cfg, backend=backend)
     return policy, m, trainable
@@ -315,13 +421,15 @@ def test_gradient_checkpointing_changes_nothing_but_memory(tmp_path):
 
 @pytest.mark.skipif(not HAS_PEFT, reason="LoRA needs the optional package peft (pip install peft)")
 def test_lora_bf16_checkpointing_step_trains_only_adapters(tmp_path):
-    policy, m, before = one_step(small_cfg(tmp_path, lora_r=4, dtype="bf16", gradient_checkpointing=True))
+    policy, m, before = one_step(
+        small_cfg(tmp_path, lora_r=4, dtype="bf16", gradient_checkpointing=True)
+    )
     assert before and all("lora_" in n for n in before)
-    assert {p.dtype for p in before.values()} == {torch.float32}            # adapters fp32, base weights bf16
+    assert {p.dtype for p in before.values()} == {torch.float32}  # adapters fp32, base weights bf16
     base = [p for n, p in policy.model.named_parameters() if "lora_" not in n]
     assert {p.dtype for p in base} == {torch.bfloat16} and not any(p.requires_grad for p in base)
     assert math.isfinite(m["loss"])
-    assert {n for n in changed(policy, before) if "lora_B" in n}            # B starts at 0: it moved
+    assert {n for n in changed(policy, before) if "lora_B" in n}  # B starts at 0: it moved
     scale.ScaleBackend(small_cfg(tmp_path, lora_r=4)).save_model(policy, tmp_path / "adapter")
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
 
@@ -332,14 +440,30 @@ def qwen3_params(a: dict) -> int:
     h, d = a["hidden_size"], a["head_dim"]
     attention = h * d * (2 * a["num_attention_heads"] + 2 * a["num_key_value_heads"])
     layer = attention + 3 * h * a["intermediate_size"] + 2 * h + 2 * d
-    return a["num_hidden_layers"] * layer + a["vocab_size"] * h * (1 if a["tie_word_embeddings"] else 2) + h
+    return (
+        a["num_hidden_layers"] * layer
+        + a["vocab_size"] * h * (1 if a["tie_word_embeddings"] else 2)
+        + h
+    )
 
 
 def test_gpu_smoke_code_path_runs_on_cpu_with_a_tiny_architecture(tmp_path):
-    arch = dict(scale.QWEN3_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=32, vocab_size=1000)
-    fig = scale.gpu_smoke(small_cfg(tmp_path, dtype="bf16", gradient_checkpointing=True, batch_tasks=1),
-                        arch=arch, steps=1, log=lambda *a: None)
+    arch = dict(
+        scale.QWEN3_8B,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=1000,
+    )
+    fig = scale.gpu_smoke(
+        small_cfg(tmp_path, dtype="bf16", gradient_checkpointing=True, batch_tasks=1),
+        arch=arch,
+        steps=1,
+        log=lambda *a: None,
+    )
     assert fig["params"] == qwen3_params(arch) == 202_176
     assert math.isfinite(fig["steps"][0]["loss"])
 
@@ -353,18 +477,27 @@ def no_peft(name, *a, **kw):
     return None if name == "peft" else FIND_SPEC(name, *a, **kw)
 
 
-@pytest.mark.parametrize("flags,env,patch,expect", [
-    (["--dtype", "fp16"], {}, {}, "--dtype"),
-    (["--device", "cuda"], {}, {"is_available": False}, "install a CUDA build"),
-    (["--device", "cuda", "--dtype", "bf16"], {}, {"is_available": True, "is_bf16_supported": False},
-     "--dtype: this GPU has no bf16"),
-    (["--fsdp"], {}, {}, "torchrun --nproc_per_node"),
-    ([], {"WORLD_SIZE": "2"}, {}, "add --fsdp"),
-    (["--fsdp", "--batch-tasks", "3"], {"WORLD_SIZE": "2"}, {}, "--batch-tasks"),
-    (["--lora-r", "8"], {}, {"no_peft": True}, "pip install peft"),
-    (["--attn-implementation", "flash_attention_2"], {}, {}, "pip install flash-attn"),
-])
-def test_flags_the_machine_cannot_serve_say_what_to_change(flags, env, patch, expect, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "flags,env,patch,expect",
+    [
+        (["--dtype", "fp16"], {}, {}, "--dtype"),
+        (["--device", "cuda"], {}, {"is_available": False}, "install a CUDA build"),
+        (
+            ["--device", "cuda", "--dtype", "bf16"],
+            {},
+            {"is_available": True, "is_bf16_supported": False},
+            "--dtype: this GPU has no bf16",
+        ),
+        (["--fsdp"], {}, {}, "torchrun --nproc_per_node"),
+        ([], {"WORLD_SIZE": "2"}, {}, "add --fsdp"),
+        (["--fsdp", "--batch-tasks", "3"], {"WORLD_SIZE": "2"}, {}, "--batch-tasks"),
+        (["--lora-r", "8"], {}, {"no_peft": True}, "pip install peft"),
+        (["--attn-implementation", "flash_attention_2"], {}, {}, "pip install flash-attn"),
+    ],
+)
+def test_flags_the_machine_cannot_serve_say_what_to_change(
+    flags, env, patch, expect, monkeypatch, capsys
+):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -385,20 +518,55 @@ def test_flags_the_machine_cannot_serve_say_what_to_change(flags, env, patch, ex
 # Near-greedy sampling makes both runs sample the same trajectories although their batches have different shapes;
 # rule corrections give each group a reward spread, so the loss and the update are not trivial. A micro-batch of 3
 # rows splits the 8 trained rows 3+3+2 in one process and 3+1 per rank in two.
-FLAGS = ["--init", "", "--train-split", "easy", "--steps", "2", "--batch-tasks", "2", "--group-size", "4",
-         "--eval-tasks", "0", "--no-progress", "--method", "rti", "--corrector", "rule", "--no-ppl-gate",
-         "--intervene-per-group", "1", "--max-corrections", "100", "--temperature", "1.0", "--lr", "1e-3",
-         "--micro-batch", "3", "--save-every", "1", "--threads", "1",
-         "--mini-batches", "1"]   # with more, each process shuffles its own rows: other parts than one process's
+FLAGS = [
+    "--init",
+    "",
+    "--train-split",
+    "easy",
+    "--steps",
+    "2",
+    "--batch-tasks",
+    "2",
+    "--group-size",
+    "4",
+    "--eval-tasks",
+    "0",
+    "--no-progress",
+    "--method",
+    "rti",
+    "--corrector",
+    "rule",
+    "--no-ppl-gate",
+    "--intervene-per-group",
+    "1",
+    "--max-corrections",
+    "100",
+    "--temperature",
+    "1.0",
+    "--lr",
+    "1e-3",
+    "--micro-batch",
+    "3",
+    "--save-every",
+    "1",
+    "--threads",
+    "1",
+    "--mini-batches",
+    "1",
+]  # with more, each process shuffles its own rows: other parts than one process's
 
 
 def fsdp_worker(out: str) -> None:
     """Under torchrun: 2 steps straight (with gradient checkpointing, which must change nothing), then 1 step and a
     resume from its sharded checkpoint to step 2."""
     import torch.distributed as dist
+
     quiet = lambda *a, **k: None  # noqa: E731
-    for extra in (["--out", f"{out}/straight", "--gradient-checkpointing"], ["--out", f"{out}/resumed", "--steps", "1"],
-                  ["--out", f"{out}/resumed", "--resume"]):
+    for extra in (
+        ["--out", f"{out}/straight", "--gradient-checkpointing"],
+        ["--out", f"{out}/resumed", "--steps", "1"],
+        ["--out", f"{out}/resumed", "--resume"],
+    ):
         _, _, cfg = rti.parse_args(FLAGS + ["--fsdp"] + extra, scale.ScaleConfig, ("train",))
         rti.train(cfg, log=quiet, backend=scale.ScaleBackend(cfg))
     dist.destroy_process_group()
@@ -412,22 +580,46 @@ def losses(path):
 def test_fsdp_two_processes_match_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           __file__, str(tmp_path / "two")], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            __file__,
+            str(tmp_path / "two"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     _, _, cfg = rti.parse_args(FLAGS + ["--out", str(tmp_path / "one")])
     one = rti.train(cfg, log=lambda *a: None)
     ref = losses(tmp_path / "one" / "metrics.jsonl")
-    assert len(ref) == 2 and all(abs(loss) > 1e-3 and norm > 1 for loss, norm in ref)   # a real update
+    assert len(ref) == 2 and all(
+        abs(loss) > 1e-3 and norm > 1 for loss, norm in ref
+    )  # a real update
     for run in ("straight", "resumed"):
         two = losses(tmp_path / "two" / run / "metrics.jsonl")
-        assert [x for step in two for x in step] == pytest.approx([x for step in ref for x in step], rel=1e-4)
+        assert [x for step in two for x in step] == pytest.approx(
+            [x for step in ref for x in step], rel=1e-4
+        )
     assert sorted(p.name for p in (tmp_path / "two" / "resumed" / "ckpt").iterdir()) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "rng-0.pt", "rng-1.pt"]
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "rng-0.pt",
+        "rng-1.pt",
+    ]
     # AdamW moves every weight with a non-negligible gradient by about lr per step; where a gradient is near Adam's
     # eps, float noise between batch shapes shows, so the tolerance is a small share of the distance travelled
     from safetensors.torch import load_file
+
     init = rti.build_tiny_model(one["sampler"].model.config.vocab_size).state_dict()
     final = one["sampler"].model.state_dict()
     travelled = cfg.lr * cfg.steps
@@ -435,8 +627,10 @@ def test_fsdp_two_processes_match_one_process(tmp_path):
         two = load_file(tmp_path / "two" / run / "model" / "model.safetensors")
         assert set(two) <= set(final) and "model.embed_tokens.weight" in two
         for k, v in two.items():
-            assert (final[k] - init[k]).abs().max() > travelled / 2, k                     # it moved ...
-            assert torch.allclose(v, final[k], rtol=0, atol=0.025 * travelled), k         # ... to the same place
+            assert (final[k] - init[k]).abs().max() > travelled / 2, k  # it moved ...
+            assert torch.allclose(v, final[k], rtol=0, atol=0.025 * travelled), (
+                k
+            )  # ... to the same place
 
 
 if __name__ == "__main__":

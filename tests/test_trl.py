@@ -1,14 +1,18 @@
 """extras/trl_rti.py inside TRL 1.16: stock GRPOTrainer on NavigationToolEnv, RTIGRPOTrainer, the loss mapping.
 
 Skipped without trl. Tiny sizes, one thread: the file runs in well under 90 s on a 2-core CPU."""
+
 import math
 import os
 
 import pytest
 import torch
 
-pytest.importorskip("trl", reason="TRL integration tests need trl: pip install -r requirements-trl.txt "
-                                  "(pip install trl==1.16.0)")
+pytest.importorskip(
+    "trl",
+    reason="TRL integration tests need trl: pip install -r requirements-trl.txt "
+    "(pip install trl==1.16.0)",
+)
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import envs  # noqa: E402
@@ -40,38 +44,58 @@ def changed(before, model):
 
 # ----------------------------------------------------------------------------- the tool-call adapter
 
+
 def test_tool_template_renders_what_our_rollout_feeds_the_model():
     """TRL builds a tool episode as prompt + sampled ids + the suffix of each tool message; with TOOL_TEMPLATE these
     are exactly the ids rti.Chat gives our rollout, so the tiny model sees its training format in TRL too."""
     from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
+
     model, tok = warm()
     ttok, chat = trl_rti.tool_tokenizer(tok), trl_rti.Sampler(model, tok).chat
     assert supports_tool_calling(ttok) and is_chat_template_prefix_preserving(ttok)
     env = envs.Navigation(envs.make_tasks("train")[0])
     first = env.reset()
-    prompt = ttok.apply_chat_template([{"role": "user", "content": "" + first}], add_generation_prompt=True,
-                                      tokenize=True, return_dict=False)
+    prompt = ttok.apply_chat_template(
+        [{"role": "user", "content": "" + first}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert prompt == chat.prompt_ids(first)
     obs, _ = env.step("move up")
     call = [{"type": "function", "function": trl_rti.NavigationTools.call_from_action("move up")}]
-    msgs = [{"role": "user", "content": first}, {"role": "assistant", "content": "", "tool_calls": call}]
+    msgs = [
+        {"role": "user", "content": first},
+        {"role": "assistant", "content": "", "tool_calls": call},
+    ]
     before = ttok.apply_chat_template(msgs, tokenize=True, return_dict=False)
-    full = ttok.apply_chat_template(msgs + [{"role": "tool", "name": "move", "content": obs}],
-                                    add_generation_prompt=True, tokenize=True, return_dict=False)
+    full = ttok.apply_chat_template(
+        msgs + [{"role": "tool", "name": "move", "content": obs}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     assert before == prompt + chat.action_ids("move up") + [chat.eos_id]
-    assert full[len(before):] == chat.turn_ids(obs)
+    assert full[len(before) :] == chat.turn_ids(obs)
 
 
 def test_parser_reads_actions_as_tool_calls_and_stops_after_the_episode():
     _, tok = warm()
     ttok = trl_rti.tool_tokenizer(tok)
     ids = ttok("move left <|im_end|>", add_special_tokens=False).input_ids
-    prefix = ttok("<|user|> pos 1 1 next A 2 2 blocked none <|assistant|>", add_special_tokens=False).input_ids
+    prefix = ttok(
+        "<|user|> pos 1 1 next A 2 2 blocked none <|assistant|>", add_special_tokens=False
+    ).input_ids
     got = ttok.parse_response(ids, prefix=prefix)
-    assert got["tool_calls"] == [{"type": "function", "function": {"name": "move", "arguments": {"direction": "left"}}}]
-    assert ttok.parse_response(ttok("finish <|im_end|>").input_ids, prefix=prefix)["tool_calls"][0]["function"] == {
-        "name": "finish", "arguments": {}}
-    assert "tool_calls" not in ttok.parse_response(ttok("move move <|im_end|>").input_ids, prefix=prefix)
+    assert got["tool_calls"] == [
+        {"type": "function", "function": {"name": "move", "arguments": {"direction": "left"}}}
+    ]
+    assert ttok.parse_response(ttok("finish <|im_end|>").input_ids, prefix=prefix)["tool_calls"][0][
+        "function"
+    ] == {"name": "finish", "arguments": {}}
+    assert "tool_calls" not in ttok.parse_response(
+        ttok("move move <|im_end|>").input_ids, prefix=prefix
+    )
     over = ttok("<|user|> episode over pos 2 2 next finish blocked none <|assistant|>").input_ids
     assert "tool_calls" not in ttok.parse_response(ids, prefix=over)
 
@@ -83,7 +107,11 @@ def test_env_tools_step_the_task_and_reward_is_the_rubric():
     assert env.reset(**row) == envs.Navigation(task).reset()
     for action in envs.optimal_actions(task):
         obs = env.move(action.split()[1]) if action.startswith("move") else getattr(env, action)()
-    assert obs.startswith("episode over") and env.get_reward() == 1.0 and "route" in envs.optimal_actions(task)
+    assert (
+        obs.startswith("episode over")
+        and env.get_reward() == 1.0
+        and "route" in envs.optimal_actions(task)
+    )
     env.reset(**row)
     assert env.move("north").startswith("error unknown action")
     env.finish()
@@ -92,19 +120,33 @@ def test_env_tools_step_the_task_and_reward_is_the_rubric():
 
 # ----------------------------------------------------------------------------- stock GRPOTrainer + our environment
 
+
 def test_stock_grpo_trainer_trains_on_the_navigation_env(tmp_path):
     model, tok = warm()
     before = params(model)
-    data = trl_rti.navigation_dataset(envs.make_tasks("easy")[:4])      # tasks the warm start solves at times
+    data = trl_rti.navigation_dataset(
+        envs.make_tasks("easy")[:4]
+    )  # tasks the warm start solves at times
     trainer = trl_rti.GRPOTrainer(
-        model=model, processing_class=trl_rti.tool_tokenizer(tok), train_dataset=data,
+        model=model,
+        processing_class=trl_rti.tool_tokenizer(tok),
+        train_dataset=data,
         environment_factory=trl_rti.NavigationToolEnv,
-        args=trl_rti.trl_args(str(tmp_path), 2, 2, G, max_completion_length=1024,
-                              generation_kwargs={"max_new_tokens": 4}))
+        args=trl_rti.trl_args(
+            str(tmp_path),
+            2,
+            2,
+            G,
+            max_completion_length=1024,
+            generation_kwargs={"max_new_tokens": 4},
+        ),
+    )
     trainer.train()
     logs = [r for r in trainer.state.log_history if "loss" in r]
     assert len(logs) == 2 and all(math.isfinite(r["loss"]) for r in logs)
-    assert all(r["tools/call_frequency"] > 3 for r in logs)        # multi-turn episodes, not one-shot answers
+    assert all(
+        r["tools/call_frequency"] > 3 for r in logs
+    )  # multi-turn episodes, not one-shot answers
     assert any(r["rewards/NavigationToolEnv/mean"] > 0 for r in logs)
     assert any(r["frac_reward_zero_std"] < 1 for r in logs)
     assert changed(before, model)
@@ -112,12 +154,13 @@ def test_stock_grpo_trainer_trains_on_the_navigation_env(tmp_path):
 
 # ----------------------------------------------------------------------------- RTIGRPOTrainer
 
+
 def failing_tasks(n, seed):
     """n train tasks whose G episodes all fail under the warm start at the trainer's first rollout seed."""
     model, tok = warm()
     tasks = envs.make_tasks("train")[:48]
     trajs = trl_rti.rollout(trl_rti.Sampler(model, tok), tasks, G, trl_rti.rollout_seed(seed, 0))
-    bad = [t for i, t in enumerate(tasks) if not any(x.reward for x in trajs[i * G:(i + 1) * G])]
+    bad = [t for i, t in enumerate(tasks) if not any(x.reward for x in trajs[i * G : (i + 1) * G])]
     assert len(bad) >= n
     return bad[:n]
 
@@ -137,8 +180,15 @@ def rti_run(tmp_path_factory):
             seen.append({k: v.clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
             return super()._compute_loss(model, inputs)
 
-    args = trl_rti.trl_args(str(tmp_path_factory.mktemp("rti")), 1, 1, G, gradient_accumulation_steps=2)
-    trainer = Recording(model=model, processing_class=tok, train_dataset=trl_rti.navigation_dataset(tasks), args=args)
+    args = trl_rti.trl_args(
+        str(tmp_path_factory.mktemp("rti")), 1, 1, G, gradient_accumulation_steps=2
+    )
+    trainer = Recording(
+        model=model,
+        processing_class=tok,
+        train_dataset=trl_rti.navigation_dataset(tasks),
+        args=args,
+    )
     trainer.train()
     return trainer, seen, before, model
 
@@ -173,7 +223,9 @@ def test_rti_trainer_per_token_tensors_stay_aligned_after_shuffle_and_split(rti_
             assert torch.allclose(b["rti_behavior_logps"][i, :n], torch.tensor(t.sample_logp[c:]))
             assert b["tool_mask"][i, :n].tolist() == t.loss_mask[c:]
             assert (b["rti_source"][i, n:] == POLICY).all() and (b["tool_mask"][i, n:] == 0).all()
-    assert sorted(order) == list(range(len(trajs))) and order != list(range(len(trajs)))   # all rows, shuffled
+    assert sorted(order) == list(range(len(trajs))) and order != list(
+        range(len(trajs))
+    )  # all rows, shuffled
     assert any((b["rti_source"] == INTERVENED).any() for b in seen)
 
 
@@ -182,11 +234,20 @@ def test_loss_equals_trl_loss_on_policy_tokens(loss_type, tmp_path):
     """With every token POLICY, loss.policy_loss under the loss_type mapping and TRL's accumulation scaling gives
     TRL's own loss and gradient (old log-probs perturbed so ratios and clipping are not trivial)."""
     model, tok = warm()
-    args = trl_rti.trl_args(str(tmp_path), 1, 2, G, loss_type=loss_type, epsilon_high=0.28,
-                            gradient_accumulation_steps=2, max_completion_length=256)
+    args = trl_rti.trl_args(
+        str(tmp_path),
+        1,
+        2,
+        G,
+        loss_type=loss_type,
+        epsilon_high=0.28,
+        gradient_accumulation_steps=2,
+        max_completion_length=256,
+    )
     data = trl_rti.navigation_dataset(envs.make_tasks("train")[:2])
-    trainer = trl_rti.RTIGRPOTrainer(model=model, processing_class=tok, train_dataset=data, args=args,
-                                     rti_config=None)
+    trainer = trl_rti.RTIGRPOTrainer(
+        model=model, processing_class=tok, train_dataset=data, args=args, rti_config=None
+    )
     rows = [data[i] for i in range(2) for _ in range(G)]
     batch = trainer._generate_and_score_completions(rows)
     assert (batch["rti_source"] == POLICY).all()
@@ -196,11 +257,15 @@ def test_loss_equals_trl_loss_on_policy_tokens(loss_type, tmp_path):
     with torch.no_grad():
         ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
         attn = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
-        lp = trainer._get_per_token_logps_and_entropies(model, ids, attn, ids.size(1) - batch["prompt_ids"].size(1))[0]
+        lp = trainer._get_per_token_logps_and_entropies(
+            model, ids, attn, ids.size(1) - batch["prompt_ids"].size(1)
+        )[0]
     batch["old_per_token_logps"] = lp + 0.3 * torch.randn(lp.shape, generator=g) * mask
-    half = {k: (v[:G] if torch.is_tensor(v) and v.dim() else v) for k, v in batch.items()}   # one micro-batch
+    half = {
+        k: (v[:G] if torch.is_tensor(v) and v.dim() else v) for k, v in batch.items()
+    }  # one micro-batch
     model.train()
-    trainer.current_gradient_accumulation_steps = 2     # what Trainer's loop sets for this window
+    trainer.current_gradient_accumulation_steps = 2  # what Trainer's loop sets for this window
     ours = trainer._compute_loss(model, half)
     ours.backward()
     g_ours = [p.grad.clone() for p in model.parameters()]
