@@ -1,14 +1,19 @@
-"""Environments for RTI: the `Env` interface and a toy multi-waypoint Navigation task with a map tool.
+"""RTI's environments: the `Env` interface and a toy multi-waypoint Navigation task with a map tool.
 
-The policy is a tiny word-level language model, so every text produced here (first message, observations, step-check
-reasons, hints, rubric text, the actions themselves) is words from `Navigation.vocabulary()` separated by single
-spaces. Garbage actions are never echoed back.
+The policy is a tiny word-level language model, so every text produced here (first message,
+observations, step-check reasons, hints, rubric text, the actions themselves) is words from
+`Navigation.vocabulary()` separated by single spaces. Garbage actions are never echoed back.
 
-    >>> task = NavTask("demo", 3, 3, walls=[[1, 1]], start=[0, 0], waypoints=[[2, 2], [0, 2]], max_turns=12)
+    >>> task = NavTask("demo", height=3, width=3, walls=[[1, 1]], start=[0, 0],
+    ...                waypoints=[[2, 2], [0, 2]], max_turns=12)
     >>> env = Navigation(task)
     >>> env.reset()
     'visit A 2 2 then B 0 2 then finish . grid 3 3 . pos 0 0 next A 2 2 blocked up left'
-    >>> env.check_step("move left").reason       # no route held: the fix is the tool, not the hidden direction
+
+A step check's reason names the rule an action breaks and ends with the hint. With no route held the
+hint is the `route` tool, not the hidden direction; with one held, the route's next move:
+
+    >>> env.check_step("move left").reason
     'wall move left leaves the grid ; next A 2 2 do route'
     >>> env.step("route")
     ('route down down right right . pos 0 0 next A 2 2 blocked up left', False)
@@ -17,11 +22,22 @@ spaces. Garbage actions are never echoed back.
     >>> env.check_step("move up").reason
     'detour move up leaves the route ; next A 2 2 do move down'
 
-Coordinates are (row, col) with row 0 at the top; "up" decreases the row. `python envs.py` prints a sample task, its
-render and the split table; `python envs.py audit` the undecidable flagged steps (0) and the baselines' p@1.
+Coordinates are (row, col) with row 0 at the top; "up" decreases the row. The oracle's path (each
+leg: `route`, then follow it) on this grid: '#' wall, 'S' start, 'A' and 'B' waypoints, '*' path:
 
-`ENVS` at the end of the file is the one plug-in point between this core and the optional `extras/` folder: an env
-name maps to a class, or to "module:Class" imported on first use (the tau2-bench domains of extras/tau2.py).
+    >>> print(render(task, optimal_actions(task)))
+      0 1 2
+    0 S . B
+    1 * # *
+    2 * * A
+
+`python envs.py` prints a sample task, its render and the split table. The audit (does every hint
+name an action the agent's context shows? how far do learning-free walkers get?) is in
+extras/audit.py: `python -m extras.audit`.
+
+`ENVS` at the end of the file is the one plug-in point between this core and the optional `extras/`
+folder: an env name maps to a class, or to "module:Class" imported on first use (the tau2-bench
+domains of extras/tau2.py).
 """
 
 from __future__ import annotations
@@ -29,36 +45,27 @@ from __future__ import annotations
 import abc
 import importlib
 import random
+import string
 from collections import deque
 from dataclasses import dataclass, replace
 
-ACTIONS = (
-    "move up",
-    "move down",
-    "move left",
-    "move right",
-    "route",
-    "finish",
-)  # fixed tool-call text
+# the tool calls, as the agent writes them
+ACTIONS = ("move up", "move down", "move left", "move right", "route", "finish")
 MOVES = {"move up": (-1, 0), "move down": (1, 0), "move left": (0, -1), "move right": (0, 1)}
 LABELS = "ABCDEF"  # waypoint labels, in visiting order
 MAX_NUMBER = 99  # numbers 0..99 are words (coordinates, grid size, turn limit)
 RUBRIC_ITEMS = ("waypoints_in_order", "finished_at_goal", "no_wall_hits", "within_turn_limit")
-RULES = (
-    "unknown",
-    "wall",
-    "detour",
-    "repeat",
-    "early",
-    "stop",
-    "over",
-)  # first word of a step-check reason
+# the first word of a step-check reason: the rule the action breaks
+RULES = ("unknown", "wall", "detour", "repeat", "early", "stop", "over")
+# task i of a split drawn with `seed` uses random.Random(seed * SEED_STRIDE + i): a distinct
+# stream per (seed, index), so task i does not depend on the split's size
+SEED_STRIDE = 1_000_003
 
 
 @dataclass(frozen=True)
 class StepCheck:
-    """Verdict on a proposed action. `reason` is "" when valid; otherwise it starts with the rule name (one of RULES)
-    and ends with the hint, e.g. 'wall move up hits a wall ; next A 3 1 do route'."""
+    """Verdict on a proposed action. `reason` is "" when valid; otherwise it starts with the rule
+    (one of RULES) and ends with the hint, e.g. 'wall move up hits a wall ; next A 3 1 do route'."""
 
     valid: bool
     reason: str = ""
@@ -66,7 +73,7 @@ class StepCheck:
 
 @dataclass
 class RubricResult:
-    """Ordered rubric item name -> passed; `success` iff all pass, `fraction` the share that pass."""
+    """Ordered rubric item name -> passed; `success` iff all pass, `fraction` the share passed."""
 
     items: dict[str, bool]
 
@@ -76,74 +83,77 @@ class RubricResult:
 
     @property
     def fraction(self) -> float:
-        return sum(self.items.values()) / len(self.items) if self.items else 0.0
+        if not self.items:
+            return 0.0
+        return sum(self.items.values()) / len(self.items)
 
 
 class Env(abc.ABC):
-    """One episode of one task: `env = Navigation(task); first_message = env.reset()`.
+    """One episode of one task, driven by the trainer (rti.py) and the RTI pipeline (intervene.py).
 
-    Attributes after reset(): `done` (bool), `turns` (actions taken), `actions` (their raw text), `observations` (the
-    texts step() returned). Replayable: same task + same actions give the same observations."""
+    `env = Navigation(task); first_message = env.reset()`. Attributes after reset(): `done` (bool),
+    `turns` (actions taken), `actions` (their raw text), `observations` (the texts step()
+    returned). Replayable: the same task and actions give the same observations, so the pipeline
+    can rebuild the state before any step of an episode."""
 
     done: bool
     turns: int
     actions: list[str]
-    observation_role: str | None = (
-        None  # chat role of the latest observation: None = the template's default (tool
-    )
-    # or user message); tau2 airline / retail set "user" for a user's reply
+    # the chat role of the latest observation, for the chat template: None is the template's
+    # default (a tool or user message); tau2's airline and retail set "user" for a user's reply
+    observation_role: str | None = None
 
     @abc.abstractmethod
     def reset(self) -> str:
-        """(Re)start the episode; return the first user message."""
+        """(Re)start the episode; return the first user message, which a rollout starts from."""
 
     @abc.abstractmethod
     def step(self, action: str) -> tuple[str, bool]:
-        """Execute an action; return (observation, done). Never raises on any string."""
+        """Execute an action; return (observation, done). Never raises: a policy writes anything."""
 
     @abc.abstractmethod
     def score(self) -> RubricResult:
-        """Score the (finished or unfinished) episode against the rubric."""
+        """Score the episode, finished or not, against the rubric; `success` is the RL reward."""
 
     @abc.abstractmethod
     def check_step(self, action: str) -> StepCheck:
-        """Check a proposed action in the current state without executing it."""
+        """Check an action without executing it: the rubric validator, which flags steps to fix."""
 
     @abc.abstractmethod
     def rubric_text(self) -> str:
-        """The rubric as text, for prompts."""
+        """The rubric as text, for the prompts of the LLM validator and verifier."""
 
     @abc.abstractmethod
     def hint(self) -> str:
-        """A short rubric hint for a corrector in the current state."""
+        """A short hint for the current state, shown to the policy when it corrects itself."""
 
     @abc.abstractmethod
     def optimal_action(self) -> str:
-        """The right action the hint names, one the agent's context determines (the rule corrector writes it)."""
+        """The right action the hint names, one the agent's context shows: the rule corrector's."""
 
     @classmethod
     @abc.abstractmethod
     def vocabulary(cls) -> list[str]:
-        """Every word any text of this env can contain."""
+        """Every word a text of this env can contain: the tiny model's tokens, numbered in order."""
 
     @classmethod
     @abc.abstractmethod
     def splits(cls) -> list[str]:
-        """The names of the task splits."""
+        """The names of the task splits, which the config checks its split flags against."""
 
     @classmethod
     @abc.abstractmethod
     def tasks(cls, split: str) -> list:
-        """The tasks of a split (ValueError naming the known splits for an unknown one)."""
+        """The tasks of a split, to train or evaluate on (unknown: ValueError naming the splits)."""
 
     @classmethod
-    def make(cls, task, user=None) -> "Env":
-        """A fresh environment for `task`; `user` plays the user in envs that have one (None: the env's default)."""
+    def make(cls, task, user=None) -> Env:
+        """A fresh env for `task`, one per rollout; `user` plays the user where the env has one."""
         return cls(task)
 
     @classmethod
     def make_user(cls, user_model: str, sampler):
-        """The user of this env's episodes from --user-model ('' = the policy's own model); None: no user."""
+        """The user of the episodes, from --user-model ('' = the policy's model); None: no user."""
         return None
 
 
@@ -160,8 +170,8 @@ def _is_cell(x) -> bool:
 
 @dataclass
 class NavTask:
-    """One grid: walls, a start and waypoints A, B, ... to visit in order; JSON-serialisable (`asdict(task)`), cells
-    are [row, col] lists. Validated on construction (ValueError)."""
+    """One grid: walls, a start and waypoints A, B, ... to visit in order; JSON-serialisable
+    (`asdict(task)`), cells are [row, col] lists. Validated on construction (ValueError)."""
 
     task_id: str
     height: int
@@ -191,7 +201,8 @@ class NavTask:
             and all(map(_is_cell, self.waypoints)),
             f"waypoints must be a list of 1..{len(LABELS)} [row, col]",
         )
-        self.walls, self.start = [list(w) for w in self.walls], list(self.start)
+        self.walls = [list(w) for w in self.walls]
+        self.start = list(self.start)
         self.waypoints = [list(w) for w in self.waypoints]
         points = [self.start] + self.waypoints
         for cell in self.walls + points:
@@ -208,28 +219,32 @@ class NavTask:
             need(tuple(a) in bfs_distances(self, b), f"waypoint {b} is unreachable from {a}")
 
 
+def _moved(pos, action: str) -> tuple[int, int]:
+    """The cell one move (a key of MOVES) away from `pos`, on the grid or not."""
+    dr, dc = MOVES[action]
+    return (pos[0] + dr, pos[1] + dc)
+
+
 def bfs_distances(task: NavTask, goal) -> dict[tuple[int, int], int]:
     """Shortest move count from every reachable cell to `goal` (walls and edges block)."""
     walls = {tuple(w) for w in task.walls}
     goal = tuple(goal)
-    dist, queue = {goal: 0}, deque([goal])
+    dist = {goal: 0}
+    queue = deque([goal])
     while queue:
-        r, c = queue.popleft()
-        for dr, dc in MOVES.values():
-            n = (r + dr, c + dc)
-            if (
-                0 <= n[0] < task.height
-                and 0 <= n[1] < task.width
-                and n not in walls
-                and n not in dist
-            ):
-                dist[n] = dist[(r, c)] + 1
+        cell = queue.popleft()
+        for move in MOVES:
+            n = _moved(cell, move)
+            inside = 0 <= n[0] < task.height and 0 <= n[1] < task.width
+            if inside and n not in walls and n not in dist:
+                dist[n] = dist[cell] + 1
                 queue.append(n)
     return dist
 
 
 def optimal_actions(task: NavTask) -> list[str]:
-    """The oracle's episode: each leg `route` then its moves (ties broken in ACTIONS order), then "finish"."""
+    """The oracle's episode: each leg `route`, then the route's moves (ties broken in ACTIONS
+    order); then `finish`."""
     env = Navigation(replace(task, max_turns=MAX_NUMBER))  # the task's own limit must not cut it
     while not env.done:
         env.step(env.optimal_action())
@@ -238,8 +253,9 @@ def optimal_actions(task: NavTask) -> list[str]:
 
 @dataclass(frozen=True)
 class SplitSpec:
-    """How a split is generated: grid size, wall density, waypoint count range, size, seed, and the turn slack added
-    to the oracle's action count (optimal moves, one `route` a leg, finish) to give max_turns."""
+    """How a split is generated: grid size, wall density, waypoint count range, size, seed, and the
+    turn slack added to the oracle's action count (optimal moves, one `route` a leg, finish) to give
+    max_turns."""
 
     height: int
     width: int
@@ -249,9 +265,8 @@ class SplitSpec:
     n: int
     seed: int
     slack: int = 2
-    turn_cap: int = (
-        48  # tasks whose max_turns would exceed it are redrawn: an episode fits 2,048 positions
-    )
+    # tasks whose max_turns would exceed it are redrawn: an episode fits 2,048 positions
+    turn_cap: int = 48
 
 
 SPLITS = {  # easy: the warm start's; train / test: the hard distribution RL trains and is tested on
@@ -259,32 +274,25 @@ SPLITS = {  # easy: the warm start's; train / test: the hard distribution RL tra
     "train": SplitSpec(9, 9, 0.45, 4, 4, n=600, seed=2),
     "test": SplitSpec(9, 9, 0.45, 4, 4, n=150, seed=3),
 }
-
-CARVED = {
-    "fit": ("train", slice(0, 500)),
-    "val": ("train", slice(500, 600)),
-}  # validation carved from train
+# validation carved from train: split name -> (source split, its slice)
+CARVED = {"fit": ("train", slice(0, 500)), "val": ("train", slice(500, 600))}
 
 
 def generate_task(spec: SplitSpec, rng: random.Random, task_id: str) -> NavTask:
-    """Draw round(density * cells) walls, a start and K waypoints on free cells; redraw until every leg start -> A ->
-    B -> ... is reachable (NavTask validates that)."""
+    """Draw round(density * cells) walls, a start and K waypoints on free cells; redraw until every
+    leg start -> A -> B -> ... is reachable (NavTask validates that)."""
     cells = [(r, c) for r in range(spec.height) for c in range(spec.width)]
     while True:
         k = rng.randint(spec.k_min, spec.k_max)
         walls = set(rng.sample(cells, round(spec.density * len(cells))))
-        if len(free := [x for x in cells if x not in walls]) < k + 1:
+        free = [x for x in cells if x not in walls]
+        if len(free) < k + 1:
             continue
         points = [list(p) for p in rng.sample(free, k + 1)]
+        wall_list = [list(w) for w in sorted(walls)]
         try:
             task = NavTask(
-                task_id,
-                spec.height,
-                spec.width,
-                [list(w) for w in sorted(walls)],
-                points[0],
-                points[1:],
-                MAX_NUMBER,
+                task_id, spec.height, spec.width, wall_list, points[0], points[1:], MAX_NUMBER
             )
         except ValueError:  # some leg unreachable
             continue
@@ -294,16 +302,86 @@ def generate_task(spec: SplitSpec, rng: random.Random, task_id: str) -> NavTask:
 
 
 def make_tasks(split: str, n: int | None = None, seed: int | None = None) -> list[NavTask]:
-    """The fixed, seeded split (`n` and `seed` override SPLITS). Ids look like 'test-0007'. Task i depends only on
-    (seed, i), so a smaller n gives a prefix of the full split."""
+    """The fixed, seeded split (`n` and `seed` override SPLITS). Ids look like 'test-0007'. Task i
+    depends only on (seed, i), so a smaller n gives a prefix of the full split."""
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; choose from {list(SPLITS)}")
     spec = SPLITS[split]
-    n, seed = spec.n if n is None else n, spec.seed if seed is None else seed
+    if n is None:
+        n = spec.n
+    if seed is None:
+        seed = spec.seed
     return [
-        generate_task(spec, random.Random(seed * 1_000_003 + i), f"{split}-{i:04d}")
+        generate_task(spec, random.Random(seed * SEED_STRIDE + i), f"{split}-{i:04d}")
         for i in range(n)
     ]
+
+
+# ----------------------------------------------------------------------------- the texts
+# Every text Navigation writes is one of these str.format templates, filled with labels, numbers,
+# move directions and actions. Navigation.vocabulary() gathers its words from them, so a word added
+# to a text is a word of the model. Their order is the order of the tiny model's token ids
+# (rti.load_model numbers the vocabulary in order; the committed checkpoints depend on it): add new
+# texts at the end.
+
+FIRST_MESSAGE = "visit {plan} then finish . grid {height} {width} . {state}"
+PLAN_STEP = "{label} {cell}"  # one waypoint of the plan; the plan joins them with " then "
+# what the agent sees: it closes the first message and every observation
+STATE = "{held}pos {cell} next {target} blocked {blocked}"
+HELD_ROUTE = "route {directions} . "  # opens the state while a route is held
+NOTHING_BLOCKED = "none"
+# an observation opens with what the action did (nothing for a move or `route` that worked)
+OUTCOMES = {
+    "wall": "error hit wall ",
+    "grid": "error off grid ",
+    "unknown": "error unknown action ",
+    "finish": "episode over ",
+    "over": "error episode over ",  # an action after the end: not a turn, not recorded
+}
+OUT_OF_TURNS = " . out of turns"  # closes the observation of the last turn allowed
+TARGETS = {  # what is next, in the state and the hint
+    "waypoint": "{label} {cell}",
+    "finish": "finish",
+    "return": "finish at {label} {cell}",  # all waypoints visited, but the agent left the last one
+}
+HINT = "next {target} do {action}"
+RUBRIC = (
+    "rubric visit {plan} in order ; finish at {label} ; never move into a wall or off the grid ;"
+    " finish within {max_turns} turns"
+)
+REASON = "{why} ; {hint}"  # a refused step: why (its first word is the rule), then the hint
+WHY = {  # why check_step refuses an action
+    "over": "over the episode is over",
+    "unknown": "unknown action is not a valid tool call",
+    "off path": "detour {action} is not on a shortest path",
+    "early": "early finish before visiting all waypoints",
+    "early away": "early finish away from {label}",
+    "stop": "stop {action} after visiting all waypoints",
+    "off route": "detour {action} leaves the route",
+    "grid": "wall {action} leaves the grid",
+    "wall": "wall {action} hits a wall",
+    "repeat": "repeat route is already held",
+}
+TEXTS = (
+    FIRST_MESSAGE,
+    PLAN_STEP,
+    STATE,
+    HELD_ROUTE,
+    NOTHING_BLOCKED,
+    *OUTCOMES.values(),
+    OUT_OF_TURNS,
+    *TARGETS.values(),
+    HINT,
+    RUBRIC,
+    REASON,
+    *WHY.values(),
+)
+SEPARATORS = (";", ".")  # the texts' punctuation: vocabulary() puts it after their words
+
+
+def _literal_words(template: str) -> list[str]:
+    """The words of a str.format template outside its {fields}."""
+    return [w for literal, *_ in string.Formatter().parse(template) for w in literal.split()]
 
 
 # ----------------------------------------------------------------------------- environment
@@ -316,179 +394,213 @@ def _cell_words(cell) -> str:
 class Navigation(Env):
     """Visit waypoints A, B, ... in order, then `finish` on the last one; see the module docstring.
 
-    The agent sees its position, the next target and which neighbours are blocked, never the map. The `route` tool
-    (it costs a turn) returns a shortest path to the next target; its remainder opens every observation while the
-    agent follows it, and is dropped when the agent leaves it or reaches the target. So a good move is always
-    readable from the context: the route's next direction if one is held, else the tool itself.
-    State besides the Env attributes: `pos`, `path` (positions: start, then after each turn), `visited` (waypoints
-    reached), `route` (remaining directions held), `wall_hits`, `finished_at` (position at `finish`, or None)."""
+    The agent sees its position, the next target and which neighbours are blocked, never the map.
+    The `route` tool (it costs a turn) returns a shortest path to the next target; its remainder
+    opens every observation while the agent follows it, and is dropped when the agent leaves it or
+    reaches the target. So a good move is always readable from the context: the route's next
+    direction if one is held, else the tool itself.
+
+    State besides the Env attributes: `pos`, `path` (positions: start, then after each turn),
+    `visited` (waypoints reached), `route` (remaining directions held), `wall_hits`, `finished_at`
+    (position at `finish`, or None)."""
 
     def __init__(self, task: NavTask):
         self.task = task
-        self._walls, self._points = (
-            {tuple(w) for w in task.walls},
-            [tuple(w) for w in task.waypoints],
-        )
+        self._walls = {tuple(w) for w in task.walls}
+        self._points = [tuple(w) for w in task.waypoints]
         self._dist = {}  # goal cell -> BFS distance map, cached
         self.reset()
 
     # --- state helpers
-    def _goal(self):
-        """Cell to head for: the next unvisited waypoint, or the last one once all are visited."""
+    def goal(self) -> tuple[int, int]:
+        """The cell to head for: the next unvisited waypoint, or the last one once all are."""
         return self._points[min(self.visited, len(self._points) - 1)]
 
-    def _blocked(self, pos, action) -> str:
-        """'' if the move is possible, else 'wall' or 'grid'."""
-        r, c = pos[0] + MOVES[action][0], pos[1] + MOVES[action][1]
-        return (
-            "grid"
-            if not (0 <= r < self.task.height and 0 <= c < self.task.width)
-            else ("wall" if (r, c) in self._walls else "")
-        )
+    def blocked(self, pos, action: str) -> str:
+        """'' if the move from `pos` is possible, else what stops it: 'wall' or 'grid'."""
+        r, c = _moved(pos, action)
+        if not (0 <= r < self.task.height and 0 <= c < self.task.width):
+            return "grid"
+        return "wall" if (r, c) in self._walls else ""
 
-    def _at_end(self) -> bool:
+    def at_end(self) -> bool:
+        """All waypoints visited and standing on the last one: only `finish` is left to do."""
         return self.visited == len(self._points) and self.pos == self._points[-1]
 
     def shortest_moves(self, pos=None) -> list[str]:
-        """The moves (ACTIONS order) that start a shortest path from `pos` (default: here) to the current target."""
-        pos, goal = pos or self.pos, self._goal()
+        """The moves (ACTIONS order) that start a shortest path to the goal from `pos` (or here)."""
+        pos = pos or self.pos
+        goal = self.goal()
         if goal not in self._dist:
             self._dist[goal] = bfs_distances(self.task, goal)
         dist = self._dist[goal]
-        return [
-            a
-            for a, (dr, dc) in MOVES.items()
-            if dist.get((pos[0] + dr, pos[1] + dc), -2) == dist[pos] - 1
-        ]
+        return [a for a in MOVES if dist.get(_moved(pos, a), -2) == dist[pos] - 1]
 
     def _route(self) -> list[str]:
-        """Directions of the first shortest path (ACTIONS order) from here to the current target."""
-        pos, dirs = self.pos, []
-        while pos != self._goal():
-            a = self.shortest_moves(pos)[0]
-            pos, dirs = (pos[0] + MOVES[a][0], pos[1] + MOVES[a][1]), dirs + [a.split()[1]]
-        return dirs
+        """Directions of the first shortest path (ACTIONS order) from here to the goal."""
+        pos = self.pos
+        directions = []
+        while pos != self.goal():
+            move = self.shortest_moves(pos)[0]
+            pos = _moved(pos, move)
+            directions.append(move.split()[1])
+        return directions
 
-    def _target_words(self) -> str:
+    def _target(self) -> str:
+        """What is next, for the state and the hint: a waypoint, finish, or back to the last one."""
+        cell = _cell_words(self.goal())
         if self.visited < len(self._points):
-            return f"next {LABELS[self.visited]} {_cell_words(self._goal())}"
-        if self._at_end():
-            return "next finish"
-        return f"next finish at {LABELS[len(self._points) - 1]} {_cell_words(self._goal())}"
+            return TARGETS["waypoint"].format(label=LABELS[self.visited], cell=cell)
+        if self.at_end():
+            return TARGETS["finish"]
+        return TARGETS["return"].format(label=LABELS[len(self._points) - 1], cell=cell)
 
-    def _state_words(self) -> str:
-        blocked = [a.split()[1] for a in MOVES if self._blocked(self.pos, a)]
-        held = f"route {' '.join(self.route)} . " if self.route else ""
-        return f"{held}pos {_cell_words(self.pos)} {self._target_words()} blocked {' '.join(blocked) or 'none'}"
+    def _state(self) -> str:
+        """What the agent sees after each step: the route it holds, where it is, what is next and
+        which neighbours are blocked."""
+        held = HELD_ROUTE.format(directions=" ".join(self.route)) if self.route else ""
+        blocked = " ".join(a.split()[1] for a in MOVES if self.blocked(self.pos, a))
+        return STATE.format(
+            held=held,
+            cell=_cell_words(self.pos),
+            target=self._target(),
+            blocked=blocked or NOTHING_BLOCKED,
+        )
+
+    def _plan(self) -> str:
+        """The waypoints in visiting order, e.g. 'A 2 2 then B 0 2'."""
+        return " then ".join(
+            PLAN_STEP.format(label=LABELS[i], cell=_cell_words(p))
+            for i, p in enumerate(self._points)
+        )
 
     # --- Env API
     def reset(self) -> str:
-        self.pos, self.visited, self.wall_hits, self.route = tuple(self.task.start), 0, 0, []
-        self.done, self.turns, self.finished_at = False, 0, None
-        self.actions, self.observations, self.path = [], [], [self.pos]
-        plan = " then ".join(f"{LABELS[i]} {_cell_words(p)}" for i, p in enumerate(self._points))
-        return (
-            f"visit {plan} then finish . grid {self.task.height} {self.task.width} . "
-            f"{self._state_words()}"
+        self.pos = tuple(self.task.start)
+        self.visited = 0
+        self.wall_hits = 0
+        self.route = []
+        self.done = False
+        self.turns = 0
+        self.finished_at = None
+        self.actions = []
+        self.observations = []
+        self.path = [self.pos]
+        return FIRST_MESSAGE.format(
+            plan=self._plan(),
+            height=self.task.height,
+            width=self.task.width,
+            state=self._state(),
         )
 
     def step(self, action: str) -> tuple[str, bool]:
-        if self.done:  # not a turn, not recorded
-            return f"error episode over {self._state_words()}", True
+        if self.done:
+            return OUTCOMES["over"] + self._state(), True
         self.actions.append(action)
         self.turns += 1
-        a, prefix = action.strip() if isinstance(action, str) else None, ""
+        a = action.strip() if isinstance(action, str) else None
+        outcome = ""
         if a == "finish":
-            self.done, self.finished_at = True, self.pos
-            prefix = "episode over "
+            self.done = True
+            self.finished_at = self.pos
+            outcome = OUTCOMES["finish"]
         elif a == "route":
             self.route = self._route()
         elif a in MOVES:
-            hit = self._blocked(self.pos, a)
+            hit = self.blocked(self.pos, a)
             if hit:
                 self.wall_hits += 1
-                prefix = "error hit wall " if hit == "wall" else "error off grid "
+                outcome = OUTCOMES[hit]
             else:
-                self.pos = (self.pos[0] + MOVES[a][0], self.pos[1] + MOVES[a][1])
-                self.route = (
-                    self.route[1:] if self.route[:1] == [a.split()[1]] else []
-                )  # followed, or left
-                if self.visited < len(self._points) and self.pos == self._goal():
-                    self.visited, self.route = self.visited + 1, []
+                self._move(a)
         else:
-            prefix = "error unknown action "
-        obs = prefix + self._state_words()
+            outcome = OUTCOMES["unknown"]
+        obs = outcome + self._state()
         if not self.done and self.turns >= self.task.max_turns:
             self.done = True
-            obs += " . out of turns"
+            obs += OUT_OF_TURNS
         self.observations.append(obs)
         self.path.append(self.pos)
         return obs, self.done
+
+    def _move(self, move: str) -> None:
+        """Take a possible move: following the held route shortens it, any other move drops it, and
+        reaching the goal visits it (the route is spent)."""
+        self.pos = _moved(self.pos, move)
+        if self.route[:1] == [move.split()[1]]:
+            self.route = self.route[1:]
+        else:
+            self.route = []
+        if self.visited < len(self._points) and self.pos == self.goal():
+            self.visited += 1
+            self.route = []
 
     def score(self) -> RubricResult:
         finished = self.finished_at is not None
         return RubricResult(
             {
                 "waypoints_in_order": self.visited == len(self._points),
-                "finished_at_goal": finished and self._at_end(),
+                "finished_at_goal": finished and self.at_end(),
                 "no_wall_hits": self.wall_hits == 0,
                 "within_turn_limit": finished and self.turns <= self.task.max_turns,
             }
         )
 
     def optimal_action(self) -> str:
-        """The action the context determines: finish at the end, the held route's next move, else `route`."""
-        if self._at_end():
+        """What the context shows: finish at the end, the held route's next move, else `route`."""
+        if self.at_end():
             return "finish"
-        return f"move {self.route[0]}" if self.route else "route"
+        if self.route:
+            return f"move {self.route[0]}"
+        return "route"
 
     def hint(self) -> str:
-        """E.g. 'next A 3 1 do route', 'next A 3 1 do move down' (a route is held) or 'next finish do finish'."""
-        return f"{self._target_words()} do {self.optimal_action()}"
+        """E.g. 'next A 3 1 do route', 'next A 3 1 do move down' (a route is held) or
+        'next finish do finish'."""
+        return HINT.format(target=self._target(), action=self.optimal_action())
 
     def check_step(self, action: str) -> StepCheck:
-        """Flags only what the agent's context shows to be wrong: the episode is over; an unknown action; a move into a
-        wall or off the grid; a move off the route it holds, or, holding none, off every shortest path (detour; the
-        fix is the tool, not the hidden direction); `route` while holding one (repeat); finish before the end
-        (early); a move or `route` after the end (stop). The hint names optimal_action()."""
+        """Flags only what the agent's context shows to be wrong: the episode is over; an unknown
+        action; a move into a wall or off the grid; a move off the route it holds, or, holding none,
+        off every shortest path (detour; the fix is the tool, not the hidden direction); `route`
+        while holding one (repeat); finish before the end (early); a move or `route` after the end
+        (stop). The hint names optimal_action()."""
         a = action.strip() if isinstance(action, str) else None
+        hit = self.blocked(self.pos, a) if a in MOVES else ""
         if self.done:
-            why = "over the episode is over"
+            why = WHY["over"]
         elif a not in ACTIONS:
-            why = "unknown action is not a valid tool call"
-        elif self._at_end():
+            why = WHY["unknown"]
+        elif self.at_end():
             if a == "finish":
                 return StepCheck(True)
-            why = f"stop {a} after visiting all waypoints"
+            why = WHY["stop"].format(action=a)
         elif a == "finish":
-            why = (
-                "early finish before visiting all waypoints"
-                if self.visited < len(self._points)
-                else f"early finish away from {LABELS[len(self._points) - 1]}"
-            )
+            if self.visited < len(self._points):
+                why = WHY["early"]
+            else:
+                why = WHY["early away"].format(label=LABELS[len(self._points) - 1])
         elif a == "route":
             if not self.route:
                 return StepCheck(True)
-            why = "repeat route is already held"
-        elif self._blocked(self.pos, a):
-            why = f"wall {a} " + (
-                "hits a wall" if self._blocked(self.pos, a) == "wall" else "leaves the grid"
-            )
+            why = WHY["repeat"]
+        elif hit:
+            why = WHY[hit].format(action=a)
         elif self.route:
             if a == f"move {self.route[0]}":
                 return StepCheck(True)
-            why = f"detour {a} leaves the route"
+            why = WHY["off route"].format(action=a)
         elif a in self.shortest_moves():
             return StepCheck(True)
         else:
-            why = f"detour {a} is not on a shortest path"
-        return StepCheck(False, f"{why} ; {self.hint()}")
+            why = WHY["off path"].format(action=a)
+        return StepCheck(False, REASON.format(why=why, hint=self.hint()))
 
     def rubric_text(self) -> str:
-        plan = " then ".join(f"{LABELS[i]} {_cell_words(p)}" for i, p in enumerate(self._points))
-        return (
-            f"rubric visit {plan} in order ; finish at {LABELS[len(self._points) - 1]} ; "
-            f"never move into a wall or off the grid ; finish within {self.task.max_turns} turns"
+        return RUBRIC.format(
+            plan=self._plan(),
+            label=LABELS[len(self._points) - 1],
+            max_turns=self.task.max_turns,
         )
 
     @classmethod
@@ -497,25 +609,24 @@ class Navigation(Env):
 
     @classmethod
     def tasks(cls, split: str) -> list[NavTask]:
-        """A split of SPLITS, or of CARVED (parts of train, to choose settings on without touching test)."""
-        return (
-            make_tasks(CARVED[split][0])[CARVED[split][1]] if split in CARVED else make_tasks(split)
-        )
+        """A split of SPLITS, or of CARVED (parts of train to choose settings on, never on test)."""
+        if split in CARVED:
+            source, part = CARVED[split]
+            return make_tasks(source)[part]
+        return make_tasks(split)
 
     @classmethod
     def vocabulary(cls) -> list[str]:
-        words = (
-            " ".join(ACTIONS) + " visit then grid pos next blocked none error hit wall off"
-            " unknown action episode over out of turns at do rubric in order never into a or"
-            " the within is not valid tool call detour on shortest path early before visiting"
-            " all waypoints away from stop after leaves hits repeat already held ; ."
-        ).split()
-        words += list(LABELS) + [str(i) for i in range(MAX_NUMBER + 1)]
-        return list(dict.fromkeys(words))  # ordered, no duplicates
+        """The words of ACTIONS and TEXTS in order of first use, then the separators, then the
+        labels and numbers that fill the templates (the tiny model numbers its tokens in order)."""
+        words = [w for text in ACTIONS + TEXTS for w in _literal_words(text)]
+        words = [w for w in words if w not in SEPARATORS]
+        numbers = [str(i) for i in range(MAX_NUMBER + 1)]
+        return list(dict.fromkeys(words + list(SEPARATORS) + list(LABELS) + numbers))
 
 
 def run_actions(task: NavTask, actions: list[str]) -> Navigation:
-    """A fresh episode of `task` with `actions` applied (those after the episode ends are ignored)."""
+    """A fresh episode of `task` with `actions` applied; any after the episode ends are ignored."""
     env = Navigation(task)
     for a in actions:
         if not env.done:
@@ -525,7 +636,8 @@ def run_actions(task: NavTask, actions: list[str]) -> Navigation:
 
 def render(task: NavTask, path=None) -> str:
     """ASCII grid with row and column numbers: '#' wall, 'S' start, 'A'..'F' waypoints, '*' path
-    cells, '.' free. `path` is a list of [row, col] positions or of actions (replayed from the start)."""
+    cells, '.' free. `path` is a list of [row, col] positions or of actions (replayed from the
+    start); the module docstring shows one."""
     if path and isinstance(path[0], str):
         path = run_actions(task, path).path
     grid = [["."] * task.width for _ in range(task.height)]
@@ -540,65 +652,10 @@ def render(task: NavTask, path=None) -> str:
     return "\n".join([head] + [f"{r % 10} " + " ".join(row) for r, row in enumerate(grid)])
 
 
-# ----------------------------------------------------------------------------- audit: baselines and what a context shows
+# ----------------------------------------------------------------------------- the env registry
 
-
-def greedy_action(env: Navigation, rng: random.Random) -> str:
-    """The learning-free walker (no tools, no map): finish at the end, else a random unblocked move that brings it
-    closer (Manhattan) to its target, else a random unblocked move."""
-    if env._at_end():
-        return "finish"
-    goal, free = env._goal(), [a for a in MOVES if not env._blocked(env.pos, a)]
-    closer = [
-        a
-        for a in free
-        if abs(goal[0] - env.pos[0] - MOVES[a][0]) + abs(goal[1] - env.pos[1] - MOVES[a][1])
-        < abs(goal[0] - env.pos[0]) + abs(goal[1] - env.pos[1])
-    ]
-    return rng.choice(closer or free)
-
-
-def context_action(text: str) -> str:
-    """The action an agent's latest message determines, read from its words alone: the held route's next move,
-    finish when it says 'next finish' with nothing left to reach, else the `route` tool."""
-    words = text.split()
-    if "route" in words:
-        return f"move {words[words.index('route') + 1]}"
-    return "finish" if "next finish" in text and "next finish at" not in text else "route"
-
-
-def pass_at_1(tasks: list[NavTask], walker, samples: int = 4, seed: int = 0) -> float:
-    """Mean success (%) of `walker(env, rng) -> action` over `samples` episodes of each task."""
-    rng, runs = random.Random(seed), [Navigation(t) for t in tasks for _ in range(samples)]
-    for env in runs:
-        while not env.done:
-            env.step(walker(env, rng))
-    return 100 * sum(env.score().success for env in runs) / len(runs)
-
-
-def undecidable_flags(tasks: list[NavTask], seed: int = 0) -> tuple[int, int]:
-    """(flagged steps whose hinted action is not what the agent's latest message shows, flagged steps) over episodes
-    of a noisy walker: each turn the hinted action, the greedy walker's or any action, at random."""
-    rng, bad, flagged = random.Random(seed), 0, 0
-    for env in map(Navigation, tasks):
-        text = env.reset()
-        while not env.done:
-            action = rng.choice(
-                [env.optimal_action(), greedy_action(env, rng), rng.choice(ACTIONS + ("jump",))]
-            )
-            check = env.check_step(action)
-            if not check.valid:
-                flagged += 1
-                bad += check.reason.split(" do ")[-1] != context_action(text)
-            text = env.step(action)[0]
-    return bad, flagged
-
-
-# ----------------------------------------------------------------------------- choosing an environment (plug-in point)
-
-ENVS: dict[
-    str, type[Env] | str
-] = {  # name -> class, or "module:Class" of an optional env, imported on first use
+# name -> Env class, or "module:Class" of an optional env, imported on first use by env_class()
+ENVS: dict[str, type[Env] | str] = {
     "navigation": Navigation,
     "tau2-telecom": "extras.tau2:Tau2Telecom",
     "tau2-airline": "extras.tau2:Tau2Airline",
@@ -607,8 +664,8 @@ ENVS: dict[
 
 
 def env_class(name: str) -> type[Env]:
-    """The Env class registered under `name`; an optional one is imported here, the only place the core reaches
-    extras/ (its import says what to install when a package is missing)."""
+    """The Env class registered under `name`; an optional one is imported here, the only place the
+    core reaches extras/ (its import says what to install when a package is missing)."""
     if name not in ENVS:
         raise ValueError(f"unknown env {name!r}; choose from {list(ENVS)}")
     if isinstance(ENVS[name], str):
@@ -622,40 +679,25 @@ def env_tasks(name: str, split: str) -> list:
     return env_class(name).tasks(split)
 
 
-if (
-    __name__ == "__main__"
-):  # python envs.py [audit]: a sample task and the split table, or the audit
+if __name__ == "__main__":  # python envs.py: a sample task, its render and the split table
     import sys
 
     if sys.argv[1:] == ["audit"]:
-        print(
-            "| split | flagged steps | undecidable | greedy walker p@1 | oracle (route + follow) p@1 |"
-        )
-        for name in ("train", "val", "test"):
-            tasks = Navigation.tasks(name)
-            (bad, flagged), oracle = (
-                undecidable_flags(tasks),
-                pass_at_1(tasks, lambda env, rng: env.optimal_action(), 1),
-            )
-            print(
-                f"| {name} | {flagged} | {bad} ({100 * bad / max(1, flagged):.1f}%) | "
-                f"{pass_at_1(tasks, greedy_action):.2f} | {oracle:.2f} |"
-            )
-        sys.exit()
+        sys.exit("the audit moved to extras/: python -m extras.audit")
     task = make_tasks("test", n=1)[0]
-    env, acts = Navigation(task), optimal_actions(task)
-    print(
-        "first message: "
-        + env.reset()
-        + "".join(f"\naction: {a} | observation: {env.step(a)[0]}" for a in acts[:3])
-    )
-    print(
-        f"hint: {env.hint()}\nrubric: {env.rubric_text()}\n{render(task, acts)}\noracle: {' ; '.join(acts)}"
-    )
+    env = Navigation(task)
+    acts = optimal_actions(task)
+    print(f"first message: {env.reset()}")
+    for a in acts[:3]:
+        print(f"action: {a} | observation: {env.step(a)[0]}")
+    print(f"hint: {env.hint()}")
+    print(f"rubric: {env.rubric_text()}")
+    print(render(task, acts))
+    print(f"oracle: {' ; '.join(acts)}")
     print("| split | grid | density | K | n | seed | slack | optimal actions mean | max |")
     for name, s in SPLITS.items():
         lens = [len(optimal_actions(t)) for t in make_tasks(name)]
         print(
-            f"| {name} | {s.height}x{s.width} | {s.density} | {s.k_min}-{s.k_max} | {s.n} | {s.seed} | {s.slack}"
-            f" | {sum(lens) / len(lens):.1f} | {max(lens)} |"
+            f"| {name} | {s.height}x{s.width} | {s.density} | {s.k_min}-{s.k_max} | {s.n}"
+            f" | {s.seed} | {s.slack} | {sum(lens) / len(lens):.1f} | {max(lens)} |"
         )
