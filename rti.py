@@ -1,11 +1,17 @@
-"""Rollout-Time Intervention (RTI) trainer: config, model, batched multi-turn sampling, warm start, GRPO/RTI loop.
+"""Rollout-Time Intervention (RTI) trainer: one file from the config to the training loop.
 
-    python rti.py                      # the demo: tiny Qwen3, warm start (cached), RTI training, before/after table
-    python rti.py eval runs/demo/model # pass@1..4 and pass^1..4 of a saved model on the test split
-    python rti.py --help               # every Config field is a flag
+    python rti.py                        # the demo: tiny Qwen3 from its warm start, 8 RTI steps
+    python rti.py eval runs/demo/model   # pass@1..4 and pass^1..4 of a saved model
+    python rti.py --help                 # every flag, with its help text, default and choices
 
-Data flows one way: envs (tasks, rubric) -> rollout here -> intervene.py (RTI) -> loss.py -> AdamW. GPUs, LoRA and
-FSDP2 (extras/scale.py) plug in through `Backend`, the one object the loop asks where the model runs.
+Reading order: `Config` (what a run can set), `train_step` (what one step does: sample, intervene,
+advantages, update), then what the step uses (trajectories and rollout, the policy's batched
+decoding and scoring, the chat rendering, the model), then the training loop `train`, and last
+the flag machinery and the commands.
+
+Data flows one way: envs (tasks, rubric) -> rollout here -> intervene.py (RTI) -> loss.py ->
+AdamW. GPUs, LoRA and FSDP2 (extras/scale.py) plug in through `Backend`, the one object the loop
+asks where the model runs.
 """
 
 from __future__ import annotations
@@ -44,61 +50,131 @@ from intervene import RTIConfig
 from loss import POLICY, LossConfig, advantages_by_group, group_rows, policy_loss
 
 WARMSTART_DIR = "checkpoints/warmstart"
+METHODS = ("grpo", "rti")
+EVAL_SEED_OFFSET = 10_000  # evaluations sample on streams of their own, apart from training's
 
 
-# ----------------------------------------------------------------------------- config and flags
+# ----------------------------------------------------------------------------- config
 
 
 @dataclass
 class Config:
-    """Every field is a flag (`--field-name`; booleans also `--no-field-name`), and so is every field of the nested
-    `loss` (loss.py: clip, is-mode, weights, aggregation) and `rti` (intervene.py: roles, gate) configs."""
+    """The run's settings. Every field is a flag `--field-name` (booleans also `--no-field-name`),
+    and so is every field of the nested `loss` (loss.py) and `rti` (intervene.py) configs; the help
+    text of each sits beside it, in its metadata, and `python rti.py --help` prints it."""
 
-    model: str = "tiny"  # "tiny" (built from a config) or a local Hugging Face model directory
-    init: str = WARMSTART_DIR  # starting weights of the tiny model ("" = as built)
-    seed: int = 0
-    threads: int = 2  # torch CPU threads
-    env: str = "navigation"  # a name in envs.ENVS
-    user_model: str = (
-        ""  # envs with a user: "" = the policy model, "scripted", or a model directory
+    model: str = field(
+        default="tiny",
+        metadata={
+            "help": "'tiny' builds the 0.8M-parameter Qwen3 of this file; a directory loads a "
+            "local Hugging Face causal LM (nothing is downloaded)"
+        },
     )
-    train_split: str = "train"
-    test_split: str = "test"
-    batch_tasks: int = 8  # B tasks a step
-    group_size: int = 8  # G trajectories a task
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_turn_tokens: int = 4  # new tokens per agent turn
-    method: str = "rti"  # "grpo" | "rti"
-    steps: int = 8
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    updates_per_batch: int = 1  # epochs over each rollout batch
-    mini_batches: int = (
-        4  # optimizer steps per epoch, on shuffled parts of the batch (chosen on val)
+    init: str = field(
+        default=WARMSTART_DIR,
+        metadata={"help": "starting weights of the tiny model ('' = random, as built)"},
     )
-    warmup_steps: int = 0  # linear learning-rate warm-up over the first N steps
-    micro_batch: int = 8  # rows per forward/backward (gradients accumulate); memory ~ rows x T^2
-    grad_clip: float = 1.0
-    eval_every: int = 10
-    eval_samples: int = 4
-    eval_tasks: int = 100  # first N tasks of the test split (0: no evaluation)
-    eval_before: bool = True  # evaluate the starting policy too
-    out: str = "runs/demo"
-    resume: bool = False
-    save_every: int = 10
-    progress: bool = True
+    seed: int = field(
+        default=0,
+        metadata={
+            "help": "seeds the task order, every episode's sampling stream and a random model"
+        },
+    )
+    threads: int = field(default=2, metadata={"help": "torch CPU threads"})
+    env: str = field(
+        default="navigation",
+        metadata={"help": "the environment (envs.ENVS)", "choices": tuple(envs.ENVS)},
+    )
+    user_model: str = field(
+        default="",
+        metadata={
+            "help": "who plays the user in envs that have one: '' = the policy model, 'scripted', "
+            "or a local model directory"
+        },
+    )
+    train_split: str = field(
+        default="train",
+        metadata={
+            "help": "split the training tasks come from (Navigation: 'fit' leaves 'val' out)"
+        },
+    )
+    test_split: str = field(
+        default="test",
+        metadata={
+            "help": "split the evaluations run on (Navigation: 'val' while choosing settings)"
+        },
+    )
+    batch_tasks: int = field(default=8, metadata={"help": "B: tasks per training step"})
+    group_size: int = field(
+        default=8, metadata={"help": "G: trajectories sampled per task (advantages need >= 2)"}
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata={"help": "sampling temperature; log-probs are scored at the same temperature"},
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata={
+            "help": "nucleus sampling: the smallest set of tokens of mass >= top_p (1 = off)"
+        },
+    )
+    max_turn_tokens: int = field(default=4, metadata={"help": "new tokens per agent turn, at most"})
+    method: str = field(
+        default="rti",
+        metadata={
+            "help": "grpo: group RL alone; rti: GRPO plus rollout-time intervention on the groups "
+            "where every trajectory failed",
+            "choices": METHODS,
+        },
+    )
+    steps: int = field(default=8, metadata={"help": "training steps, one rollout batch each"})
+    lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
+    updates_per_batch: int = field(default=1, metadata={"help": "epochs over each rollout batch"})
+    mini_batches: int = field(
+        default=4,
+        metadata={
+            "help": "optimizer steps per epoch, each on a shuffled part of the batch; from the "
+            "second one on, the ratio and the clip act (chosen on the validation split)"
+        },
+    )
+    warmup_steps: int = field(
+        default=0, metadata={"help": "linear learning-rate warm-up over the first N steps"}
+    )
+    micro_batch: int = field(
+        default=8,
+        metadata={
+            "help": "rows per forward/backward pass (gradients accumulate); memory grows as "
+            "rows x T^2"
+        },
+    )
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient's global norm"})
+    eval_every: int = field(
+        default=10, metadata={"help": "evaluate every N steps (0: only before and after)"}
+    )
+    eval_samples: int = field(default=4, metadata={"help": "samples per evaluation task"})
+    eval_tasks: int = field(
+        default=100,
+        metadata={"help": "evaluate on the first N tasks of --test-split (0: no evaluation)"},
+    )
+    eval_before: bool = field(default=True, metadata={"help": "evaluate the starting policy too"})
+    out: str = field(
+        default="runs/demo",
+        metadata={"help": "run directory: metrics.jsonl, results.json, ckpt.pt, model/"},
+    )
+    resume: bool = field(
+        default=False, metadata={"help": "continue the run in --out from its checkpoint"}
+    )
+    save_every: int = field(
+        default=10, metadata={"help": "write the checkpoint every N steps and at the end"}
+    )
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
     loss: LossConfig = field(default_factory=LossConfig)
     rti: RTIConfig = field(default_factory=RTIConfig)
 
     def validate(self) -> None:
-        """Raise ValueError("--flag: why") for a bad value (LossConfig and RTIConfig check their fields when built)."""
-
-        def need(ok, name, why):
-            if not ok:
-                raise ValueError(f"--{name.replace('_', '-')}: {why}, got {getattr(self, name)!r}")
-
-        need(self.group_size >= 2, "group_size", "must be >= 2 for group advantages")
+        """Raise ValueError("--flag: why") for a bad value (LossConfig and RTIConfig check their
+        own fields when built)."""
         for name in (
             "batch_tasks",
             "max_turn_tokens",
@@ -109,21 +185,24 @@ class Config:
             "threads",
             "save_every",
         ):
-            need(getattr(self, name) >= 1, name, "must be >= 1")
+            require(self, name, getattr(self, name) >= 1, "must be >= 1")
         for name in ("steps", "eval_every", "eval_tasks", "warmup_steps"):
-            need(getattr(self, name) >= 0, name, "must be >= 0")
+            require(self, name, getattr(self, name) >= 0, "must be >= 0")
         for name in ("temperature", "lr", "grad_clip"):
-            need(getattr(self, name) > 0, name, "must be > 0")
-        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(self.method in ("grpo", "rti"), "method", "must be grpo or rti")
-        need(
-            self.rti.intervene_per_group <= self.group_size,
+            require(self, name, getattr(self, name) > 0, "must be > 0")
+        require(self, "group_size", self.group_size >= 2, "must be >= 2 for group advantages")
+        require(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
+        require(self, "method", self.method in METHODS, f"must be one of {METHODS}")
+        require(
+            self,
             "group_size",
+            self.rti.intervene_per_group <= self.group_size,
             "must be >= --intervene-per-group",
         )
-        need(
-            self.model == "tiny" or Path(self.model).is_dir(),
+        require(
+            self,
             "model",
+            self.model == "tiny" or Path(self.model).is_dir(),
             "must be 'tiny' or a local model directory",
         )
         try:
@@ -131,166 +210,633 @@ class Config:
         except (ImportError, ValueError) as e:
             raise ValueError(f"--env: {e}") from None
         for name in ("train_split", "test_split"):
-            need(getattr(self, name) in splits, name, f"must be a split of {self.env}: {splits}")
-        need(
-            self.env == "navigation" or self.model != "tiny" or not self.init,
+            require(
+                self,
+                name,
+                getattr(self, name) in splits,
+                f"must be a split of {self.env}: {splits}",
+            )
+        require(
+            self,
             "init",
-            "the tiny warm start is a Navigation model: pass --init '' (a random tiny model) or --model PATH",
+            self.env == "navigation" or self.model != "tiny" or not self.init,
+            "the tiny warm start is a Navigation model: pass --init '' (a random tiny model) "
+            "or --model PATH",
         )
-        need(
-            self.user_model in ("", "scripted") or Path(self.user_model).is_dir(),
+        require(
+            self,
             "user_model",
+            self.user_model in ("", "scripted") or Path(self.user_model).is_dir(),
             "must be '', 'scripted' or a local model directory",
         )
 
 
-def flag_fields(cls) -> list[tuple[str | None, dataclasses.Field]]:
-    """(name of the nested config or None, field) for every flag of a config class."""
-    nested = lambda f: dataclasses.is_dataclass(f.default_factory)  # noqa: E731
-    return [
-        (f.name, g) if nested(f) else (None, f)
-        for f in dataclasses.fields(cls)
-        for g in (dataclasses.fields(f.default_factory) if nested(f) else [f])
-    ]
+def require(cfg, name: str, ok: bool, why: str) -> None:
+    """Raise ValueError("--flag-name: why, got VALUE") unless `ok`."""
+    if not ok:
+        raise ValueError(f"--{name.replace('_', '-')}: {why}, got {getattr(cfg, name)!r}")
 
 
-def make_config(cls=Config, **flags):
-    """A config from flat flag names, as the command line gives them: make_config(ppl_max=3, lr=1e-4)."""
-    owner = {f.name: parent for parent, f in flag_fields(cls)}
-    if set(flags) - set(owner):
-        raise TypeError(f"unknown config fields {sorted(set(flags) - set(owner))}")
-    parts = {
-        p: f.default_factory(**{k: v for k, v in flags.items() if owner[k] == p})
-        for p, f in ((f.name, f) for f in dataclasses.fields(cls))
-        if p in owner.values()
-    }
-    return cls(**{k: v for k, v in flags.items() if owner[k] is None}, **parts)
+# ----------------------------------------------------------------------------- one training step
 
 
-def parse_args(argv=None, cls=Config, commands=("train", "eval"), prog="rti.py"):
-    """(command, model directory given after it or None, validated config) from the command line; a bad flag exits
-    naming it. The directory, if any, becomes --model (a model to evaluate)."""
-    p = argparse.ArgumentParser(
-        prog=prog,
-        description="RTI: Rollout-Time Intervention for agentic RL.",
-        usage=f"python {prog} [{' | '.join(commands)}] [MODEL_DIR] [--flag VALUE ...]",
+def train_step(
+    sampler: Sampler,
+    opt,
+    tasks: list,
+    cfg: Config,
+    seed: int | None = None,
+    backend: Backend | None = None,
+) -> dict:
+    """One step of GRPO or RTI on a batch of tasks; returns the step's metrics.
+
+    1. sample     G trajectories of each task (`rollout`)
+    2. intervene  RTI only: correct the groups where every trajectory failed (intervene.py)
+    3. advantages group z-scores of the rewards (loss.advantages_by_group); rows whose advantage is
+                  0 teach nothing and are left out
+    4. update     PPO-style AdamW steps on the clipped surrogate (`update`, loss.policy_loss)
+
+    `seed` fixes the episodes' sampling streams and the mini-batch shuffle (the trainer derives it
+    from --seed and the step). Groups may differ in size (paired RTI adds corrections to their
+    group): advantages are taken group by group."""
+    backend = backend or Backend(cfg)
+    start = time.time()
+    with backend.gathered(sampler.model):  # processes run different numbers of forwards in here
+        trajs = rollout(sampler, tasks, cfg.group_size, seed)
+        sampled = time.time()
+        metrics = {
+            "train_success": float(np.mean([t.reward for t in trajs])),
+            "turns": float(np.mean([len(t.actions) for t in trajs])),
+        }
+        if cfg.method == "rti":
+            trajs, counts = intervene.intervene_batch(sampler, trajs, cfg.rti, sampler.make_env)
+            rates = evaluate.intervention_rates(counts)
+            metrics.update({f"rti/{k}": v for k, v in rates.items()})
+    intervened = time.time()
+
+    rewards = torch.tensor([t.reward for t in trajs])
+    group_ids = [t.group for t in trajs]
+    advantages = advantages_by_group(rewards, group_ids, scale=cfg.loss.scale_advantages)
+    metrics["train_success_after_rti"] = float(rewards.mean())
+    metrics["groups_with_spread"] = float(
+        np.mean([has_spread([trajs[i] for i in rows]) for rows in group_rows(group_ids).values()])
     )
-    p.add_argument("command", nargs="?", default=commands[0], choices=commands)
-    p.add_argument("path", nargs="?", help="eval: the model directory to evaluate")
-    types = {
-        "int": int,
-        "float": float,
-        "str": str,
-        "int | None": lambda s: None if s == "none" else int(s),
-    }
-    for _, f in flag_fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            p.add_argument(
-                flag, type=types[f.type], default=f.default, metavar=f.type.split()[0].upper()
+
+    trained = [i for i in range(len(trajs)) if advantages[i] != 0]
+    if backend.all_reduce(len(trained)):  # with several processes, every one joins the update
+        trained_trajs = [trajs[i] for i in trained]
+        metrics.update(
+            update(sampler, opt, trained_trajs, advantages[trained], cfg, backend, seed or 0)
+        )
+    metrics["time/rollout"] = sampled - start
+    metrics["time/intervene"] = intervened - sampled
+    metrics["time/update"] = time.time() - intervened
+    metrics["trained_rows"] = len(trained)
+    return backend.reduce_metrics(metrics)
+
+
+def has_spread(group: list[Trajectory]) -> bool:
+    """Whether a group's rewards differ: only then do its advantages teach anything."""
+    return len({t.reward for t in group}) > 1
+
+
+def update(
+    sampler: Sampler,
+    opt,
+    trajs: list[Trajectory],
+    advantages: torch.Tensor,
+    cfg: Config,
+    backend: Backend | None = None,
+    seed: int = 0,
+) -> dict:
+    """PPO-style updates on one rollout batch; returns the update's metrics.
+
+    pi_old's log-probs come from one scoring pass at the sampling temperature; then
+    `updates_per_batch` epochs, each of `mini_batches` AdamW steps on shuffled parts of the batch
+    (verl's ppo_mini_batch_size, TRL's steps_per_generation), so that from the second step on the
+    ratio and the clip act. With a single step per batch pi_old is the policy being updated: its
+    log-probs are that step's own forward pass (detached), and every ratio is 1.
+
+    Metric `loss` is the mean of the steps' losses, `grad_norm` the last step's; the others are
+    means over micro-batches."""
+    backend = backend or Backend(cfg)
+    model = sampler.model
+    n_steps = cfg.updates_per_batch * cfg.mini_batches
+    old_logp = None
+    if n_steps > 1:
+        with backend.gathered(model):
+            old_logp = sampler.score([t.ids for t in trajs])
+    model.train()
+    rng = random.Random(seed)
+    order = list(range(len(trajs)))
+    metrics = []
+    mean_loss = 0.0
+    for _ in range(cfg.updates_per_batch):
+        if cfg.mini_batches > 1:
+            rng.shuffle(order)
+        for part in np.array_split(order, cfg.mini_batches):
+            rows = sorted(part.tolist(), key=lambda r: len(trajs[r].ids))  # less padding
+            opt.zero_grad(set_to_none=True)
+            losses, part_metrics = backward_mini_batch(
+                sampler, trajs, advantages, old_logp, rows, cfg, backend
             )
-    args = vars(p.parse_args(argv))
-    command, path = args.pop("command"), args.pop("path")
-    if path:
-        args.update(model=path, init="")
-    try:
-        cfg = make_config(cls, **args)
-        cfg.validate()
-    except ValueError as e:  # LossConfig and RTIConfig say "field: why"
-        name, why = str(e).split(":", 1)
-        p.error(f"{name if name.startswith('--') else '--' + name.replace('_', '-')}:{why}")
-    return command, path, cfg
+            for loss in losses:
+                mean_loss += loss / n_steps
+            metrics += part_metrics
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            opt.step()
+    out = {k: float(np.mean([m[k] for m in metrics])) for k in (metrics[0] if metrics else ())}
+    out["loss"] = backend.all_reduce(mean_loss)
+    if hasattr(grad_norm, "full_tensor"):  # a sharded (FSDP) norm
+        grad_norm = grad_norm.full_tensor()
+    out["grad_norm"] = float(grad_norm)
+    return out
 
 
-# ----------------------------------------------------------------------------- model and tokenizer
+def backward_mini_batch(
+    sampler: Sampler,
+    trajs: list[Trajectory],
+    advantages: torch.Tensor,
+    old_logp: list[list[float]] | None,
+    rows: list[int],
+    cfg: Config,
+    backend: Backend,
+) -> tuple[list[float], list[dict]]:
+    """Accumulate the gradient of the loss of mini-batch `rows`, `micro_batch` rows at a time;
+    returns each micro-batch's share of the loss and the metrics of each non-empty one.
 
-SPECIAL = ["<pad>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>", "<|im_end|>"]
-TINY_TEMPLATE = (  # compact: a turn costs 2 marker tokens plus the agent's eos (14 tokens a Navigation turn)
-    "{% for m in messages %}{% if not loop.first %} {% endif %}<|{{ m['role'] }}|> {{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %} <|im_end|>{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %} <|assistant|>{% endif %}"
-)
+    Each micro-batch's loss is weighted by its share of the mini-batch's tokens (token-mean) or
+    rows, so the shares add up to the mini-batch's loss. With several processes the mini-batch is
+    the global one: shares use global counts, every process runs as many micro-batches as the
+    busiest (empty ones where it has none), and the loss is scaled by the world size, as FSDP
+    averages gradients."""
+    device = sampler.device
+    n_tokens = backend.all_reduce(sum(sum(trajs[r].loss_mask) for r in rows))
+    n_rows = backend.all_reduce(len(rows))
+    n_micro = int(backend.all_reduce(math.ceil(len(rows) / cfg.micro_batch), "max"))
+    losses = []
+    metrics_list = []
+    for start in range(0, n_micro * cfg.micro_batch, cfg.micro_batch):
+        idx = rows[start : start + cfg.micro_batch]
+        micro = [trajs[r] for r in idx] or [empty_trajectory(sampler.tok.pad_token_id)]
+        adv = advantages[idx] if idx else torch.zeros(1)
+        logp = token_logprobs(
+            sampler.model,
+            [t.ids for t in micro],
+            sampler.tok.pad_token_id,
+            sampler.temperature,
+            device,
+        )
+        mask = pad_rows([t.loss_mask for t in micro], 0, torch.float32, device)
+        if old_logp is None:
+            old = logp.detach()
+        else:
+            old = pad_rows([old_logp[r] for r in idx] or [[0.0]], 0, torch.float32, device)
+        loss, metrics = policy_loss(
+            logp,
+            old,
+            adv.to(device),
+            mask,
+            source=pad_rows([t.source for t in micro], 0, torch.long, device),
+            behavior_logp=pad_rows([t.sample_logp for t in micro], 0, torch.float32, device),
+            config=cfg.loss,
+        )
+        if cfg.loss.agg == "token-mean":
+            share = mask.sum().item() / max(1, n_tokens)
+        else:
+            share = len(idx) / max(1, n_rows)
+        (loss * share * backend.world).backward()
+        losses.append(loss.item() * share)
+        if idx:
+            metrics_list.append({"loss": loss.item(), **metrics})
+    return losses, metrics_list
 
 
-def load_model(
-    path_or_tiny: str, seed: int = 0, dtype: torch.dtype = torch.float32, env: str = "navigation"
+def empty_trajectory(pad_id: int) -> Trajectory:
+    """A one-token row with nothing to train: the micro-batch of a process that has no rows left."""
+    return Trajectory(None, -1, ids=[pad_id], loss_mask=[0], source=[POLICY], sample_logp=[0.0])
+
+
+# ----------------------------------------------------------------------------- trajectories and rollout
+
+
+@dataclass
+class Trajectory:
+    """One episode as the exact token sequence the model saw, with per-token bookkeeping."""
+
+    task: object
+    group: int
+    ids: list[int] = field(default_factory=list)
+    # 1 on agent tokens, 0 on prompt and environment tokens
+    loss_mask: list[int] = field(default_factory=list)
+    # POLICY or INTERVENED: who wrote each token
+    source: list[int] = field(default_factory=list)
+    # log-prob of each token when it was sampled (policy) or written (corrector)
+    sample_logp: list[float] = field(default_factory=list)
+    actions: list[str] = field(default_factory=list)
+    # (start, end) of each agent turn in ids
+    turns: list[tuple[int, int]] = field(default_factory=list)
+    # observations[i] is the user content before agent turn i
+    observations: list[str] = field(default_factory=list)
+    reward: float = 0.0
+    rubric: dict = field(default_factory=dict)
+    intervention: dict | None = None
+    # the sampling stream of this episode (episode_seed)
+    seed: int | None = None
+
+    def truncated(self, k: int) -> Trajectory:
+        """A copy of the episode before agent turn k (it ends with the message turn k answered)."""
+        end = self.turns[k][0] if k < len(self.turns) else len(self.ids)
+        return Trajectory(
+            task=self.task,
+            group=self.group,
+            ids=self.ids[:end],
+            loss_mask=self.loss_mask[:end],
+            source=self.source[:end],
+            sample_logp=self.sample_logp[:end],
+            actions=self.actions[:k],
+            turns=self.turns[:k],
+            observations=self.observations[: k + 1],
+            seed=self.seed,
+        )
+
+    def add(self, ids: list[int], loss_mask: int, source: int, logp: list[float] | None = None):
+        """Append tokens that share a loss mask and a source (log-probs 0 when not given)."""
+        self.ids += ids
+        self.loss_mask += [loss_mask] * len(ids)
+        self.source += [source] * len(ids)
+        self.sample_logp += logp if logp is not None else [0.0] * len(ids)
+
+    def step(self, chat: Chat, env, agent_ids, logp, source=POLICY) -> list[int] | None:
+        """Record an agent turn and execute its action in `env`.
+
+        A turn cut off before its eos is closed with an eos that is not trained. Returns the tokens
+        that follow the turn in the model's context (that eos, then the observation), or None when
+        the episode ended (then reward and rubric are set)."""
+        start = len(self.ids)
+        self.add(agent_ids, 1, source, logp)
+        closed = agent_ids[-1:] == [chat.eos_id]
+        if not closed:
+            self.add([chat.eos_id], 0, POLICY)
+        self.turns.append((start, len(self.ids)))
+        self.actions.append(chat.action_text(agent_ids))
+        observation, done = env.step(self.actions[-1])
+        if done:
+            result = env.score()
+            self.reward = float(result.success)
+            self.rubric = dict(result.items)
+            return None
+        self.observations.append(observation)
+        chunk = chat.turn_ids(observation, env.observation_role)
+        self.add(chunk, 0, POLICY)
+        closing_eos = [] if closed else [chat.eos_id]
+        return closing_eos + chunk
+
+
+def episode_seed(seed: int, task_id: str, j: int) -> int:
+    """The sampling stream of sample j of a task: a function of (seed, task, j) alone, so an
+    episode samples the same tokens whatever else shares its batch, on one process or several."""
+    # 32 bits: torch's CPU generator seeds from the low 32
+    return zlib.crc32(f"{seed}/{task_id}/{j}".encode())
+
+
+def rollout(
+    sampler: Sampler, tasks: list, group_size: int, seed: int | None = None
+) -> list[Trajectory]:
+    """Sample B x G multi-turn episodes in lockstep: one batched decoding pass per turn for all
+    live episodes.
+
+    The KV cache is kept across turns, so each turn feeds only the new observation tokens. Each
+    episode samples from its own stream (episode_seed); `seed` None draws one from sampler.gen."""
+    sampler.model.eval()
+    if seed is None:
+        seed = int(torch.randint(2**62, (1,), generator=sampler.gen, device=sampler.gen.device))
+    env_list = []
+    trajs = []
+    for g, task in enumerate(tasks):
+        for j in range(group_size):
+            env = sampler.make_env(task)
+            traj = Trajectory(
+                task, g, observations=[env.reset()], seed=episode_seed(seed, task.task_id, j)
+            )
+            traj.add(sampler.chat.prompt_ids(traj.observations[0]), 0, POLICY)
+            env_list.append(env)
+            trajs.append(traj)
+    session = sampler.session([t.ids for t in trajs], [t.seed for t in trajs])
+    live = list(range(len(trajs)))  # live[i]: the episode in session row i
+    while live:
+        ids, logps = sampler.sample_turn(session, list(range(len(live))))
+        chunks = [
+            trajs[e].step(sampler.chat, env_list[e], agent_ids, agent_logp)
+            for e, agent_ids, agent_logp in zip(live, ids, logps)
+        ]
+        going = [i for i, chunk in enumerate(chunks) if chunk is not None]
+        if len(going) < len(live):
+            session.keep(going)  # finished episodes leave the batch
+        live = [live[i] for i in going]
+        session.feed(list(range(len(live))), [chunks[i] for i in going])
+    return trajs
+
+
+def evaluate_policy(
+    sampler: Sampler,
+    tasks: list,
+    n: int,
+    seed: int = 1234,
+    chunk: int = 256,
+    per_task: bool = False,
 ):
-    """(model, tokenizer). `tiny` builds them from scratch: a word-level tokenizer over the words of `env` and of
-    intervene's prompts, with a chat template, and a 0.8M-parameter Qwen3 (hidden 128, 4 layers, 4 heads, 2 KV heads,
-    head_dim 32, 2,048 positions). A directory loads any local Hugging Face causal LM (nothing is downloaded)."""
-    if path_or_tiny == "tiny":
-        vocab = {}
-        for w in SPECIAL + envs.env_class(env).vocabulary() + intervene.PROMPT_WORDS:
-            vocab.setdefault(w, len(vocab))
-        backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tok = PreTrainedTokenizerFast(
-            tokenizer_object=backend,
-            pad_token="<pad>",
-            unk_token="<unk>",
-            eos_token="<|im_end|>",
-            chat_template=TINY_TEMPLATE,
+    """pass@k / pass^k of the policy on `tasks` with n samples each (evaluate.summarize), on
+    streams of their own, at most `chunk` episodes at once. per_task=True also returns the
+    successes, one list of n booleans per task."""
+    successes = []
+    tasks_per_chunk = max(1, chunk // n)
+    for i in range(0, len(tasks), tasks_per_chunk):
+        trajs = rollout(sampler, tasks[i : i + tasks_per_chunk], n, seed)
+        for g in range(0, len(trajs), n):
+            successes.append([t.reward > 0 for t in trajs[g : g + n]])
+    summary = evaluate.summarize(successes, k_max=min(4, n))
+    return (summary, successes) if per_task else summary
+
+
+# ----------------------------------------------------------------------------- the policy
+
+
+class Sampler:
+    """The policy as the loop and intervene.py (its `Policy` protocol) use it: the network
+    `model`, its chat pieces, batched sampling through KV-cached sessions and log-prob scoring."""
+
+    def __init__(
+        self,
+        model,
+        tok,
+        temperature=1.0,
+        top_p=1.0,
+        max_turn_tokens=4,
+        seed=0,
+        micro_batch=8,
+        env="navigation",
+        user=None,
+        chat: Chat | None = None,
+    ):
+        self.model = model
+        self.tok = tok
+        self.chat = chat or Chat(tok, env)
+        self.user = user  # plays the user in envs that have one (Env.make_user)
+        self.temperature = temperature
+        self.top_p = top_p
+        self.max_turn_tokens = max_turn_tokens
+        self.micro_batch = micro_batch
+        self.device = next(model.parameters()).device
+        self.gen = torch.Generator(device=self.device).manual_seed(seed)
+
+    def make_env(self, task) -> envs.Env:
+        """A fresh environment for `task` (with its user, if the env has one)."""
+        return self.chat.env_cls.make(task, self.user)
+
+    def session(self, prefixes: list[list[int]], seeds: list[int] | None = None) -> DecodeSession:
+        """A decoding session; row i samples from stream `seeds[i]` (default: drawn from self.gen)."""
+        if seeds is None:
+            seeds = torch.randint(
+                2**62, (len(prefixes),), generator=self.gen, device=self.gen.device
+            ).tolist()
+        return DecodeSession(self.model, prefixes, self.tok.pad_token_id, seeds)
+
+    def sample_turn(self, session: DecodeSession, rows: list[int], max_new: int | None = None):
+        """One agent turn for each row of `session` in `rows`: (token ids, log-probs)."""
+        return session.sample_turn(
+            rows, max_new or self.max_turn_tokens, self.chat.eos_id, self.temperature, self.top_p
         )
-        return build_tiny_model(len(tok), seed).to(dtype), tok
-    if not Path(path_or_tiny).is_dir():
-        raise FileNotFoundError(
-            f"model directory {path_or_tiny!r} not found (nothing is downloaded)"
+
+    def generate(self, contexts: list[list[int]], max_new: int | None = None):
+        """One agent turn for each context, encoding the contexts afresh (the LLM roles' calls)."""
+        if not contexts:
+            return [], []
+        return self.sample_turn(self.session(contexts), list(range(len(contexts))), max_new)
+
+    @torch.no_grad()
+    def score(self, seqs: list[list[int]]) -> list[list[float]]:
+        """log pi(y_t | y_<t) at the sampling temperature of every token (0.0 for the first)."""
+        out = []
+        for i in range(0, len(seqs), self.micro_batch):
+            batch = seqs[i : i + self.micro_batch]
+            logp = token_logprobs(
+                self.model, batch, self.tok.pad_token_id, self.temperature, self.device
+            )
+            out += [logp[j, : len(s)].tolist() for j, s in enumerate(batch)]
+        return out
+
+
+def sample_token(
+    logits: torch.Tensor, temperature: float, top_p: float, gens: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample row i from softmax(logits_i / T), optionally nucleus-filtered, with its own
+    generator gens[i]; return the ids and log pi(id) at temperature T.
+
+    Gumbel-max: id = argmax_v log p_v + g_v, g_v = -log(-log u_v), u_v uniform. One generator per
+    row makes a row's sample independent of which other rows share the batch."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    kept = logp
+    if top_p < 1.0:
+        probs, order = logp.exp().sort(dim=-1, descending=True)
+        outside = probs.cumsum(-1) - probs >= top_p  # mass before the token already reaches top_p
+        drop = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, outside)
+        kept = logp.masked_fill(drop, float("-inf"))
+    uniform = torch.stack(
+        [torch.rand(logp.shape[-1], generator=g, device=g.device) for g in gens]
+    ).to(logp.device)
+    gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1 - 1e-7)))
+    ids = (kept + gumbel).argmax(-1)
+    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+class DecodeSession:
+    """N rows decoded in lockstep through one KV cache that is kept across turns.
+
+    Rows grow independently: a call that feeds tokens to some rows pads the others with masked
+    slots (holes), and position ids count only real tokens, so each row computes exactly what it
+    would alone (tests check this), but for a sliding-window layer, whose window counts holes too.
+    `keep` drops finished rows and packs out holes; `retract` masks a row's latest tokens out (to
+    replace a turn)."""
+
+    def __init__(
+        self, model, prefixes: list[list[int]], pad_id: int, seeds: list[int] | None = None
+    ):
+        self.model = model
+        self.pad_id = pad_id
+        self.n = len(prefixes)
+        device = next(model.parameters()).device
+        if seeds is None:
+            seeds = range(self.n)
+        # one sampling stream per row
+        self.gens = [torch.Generator(device=device).manual_seed(int(s) % 2**63) for s in seeds]
+        self.cache = DynamicCache(config=model.config)
+        self.mask = torch.zeros(self.n, 0, dtype=torch.long, device=device)
+        # real tokens per row
+        self.length = torch.zeros(self.n, dtype=torch.long, device=device)
+        self.last_logits = torch.zeros(self.n, model.config.vocab_size, device=device)
+        # the cache slot of each real token, per row
+        self.real_slots: list[list[int]] = [[] for _ in range(self.n)]
+        # next-token logits before the latest turn, per row (for retract)
+        self.saved_logits: dict[int, torch.Tensor] = {}
+        self.feed(list(range(self.n)), prefixes)
+
+    @torch.no_grad()
+    def feed(self, rows: list[int], chunks: list[list[int]]) -> None:
+        """Append chunks[i] to row rows[i] in one forward pass; those rows' next-token logits are
+        updated."""
+        rows_chunks = [(r, c) for r, c in zip(rows, chunks) if len(c) > 0]
+        if not rows_chunks:
+            return
+        device = self.mask.device
+        width = max(len(c) for _, c in rows_chunks)
+        start = self.mask.shape[1]
+        ids = torch.full((self.n, width), self.pad_id, dtype=torch.long, device=device)
+        new_mask = torch.zeros(self.n, width, dtype=torch.long, device=device)
+        for r, c in rows_chunks:  # left-align each chunk; trailing pads are holes
+            ids[r, : len(c)] = torch.tensor(c, device=device)
+            new_mask[r, : len(c)] = 1
+            self.real_slots[r].extend(range(start, start + len(c)))
+        positions = self.length[:, None] + (new_mask.cumsum(-1) - 1).clamp(min=0)
+        self.mask = torch.cat([self.mask, new_mask], 1)
+        lengths = new_mask.sum(-1)
+        fed = lengths > 0
+        last = lengths[fed] - 1
+        # only the columns whose logits are used: all of them is GBs at a 150k vocabulary
+        columns = torch.unique(last)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.mask,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=columns,
         )
-    tok = AutoTokenizer.from_pretrained(path_or_tiny, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path_or_tiny, local_files_only=True, dtype=dtype)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return model, tok
+        self.last_logits[fed] = out.logits[fed, torch.searchsorted(columns, last)].float()
+        self.length += lengths
+
+    @torch.no_grad()
+    def sample_turn(
+        self, rows: list[int], max_new: int, eos_id: int, temperature: float, top_p: float
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Sample one agent turn (up to max_new tokens, stopping at eos) for each row in `rows`."""
+        ids_out = [[] for _ in rows]
+        logp_out = [[] for _ in rows]
+        live = list(range(len(rows)))
+        self.saved_logits = {r: self.last_logits[r].clone() for r in rows}  # for retract
+        while live:
+            live_rows = [rows[i] for i in live]
+            tokens, logps = sample_token(
+                self.last_logits[live_rows], temperature, top_p, [self.gens[r] for r in live_rows]
+            )
+            for j, i in enumerate(live):
+                ids_out[i].append(int(tokens[j]))
+                logp_out[i].append(float(logps[j]))
+            self.feed(live_rows, [[ids_out[i][-1]] for i in live])
+            live = [i for i in live if ids_out[i][-1] != eos_id and len(ids_out[i]) < max_new]
+        return ids_out, logp_out
+
+    @torch.no_grad()
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows`, renumbered: row rows[i] becomes row i, its real tokens packed to the
+        left of the cache (their keys carry their positions already), so finished episodes and
+        holes stop costing compute and memory."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
+        real = [self.real_slots[r] for r in rows]
+        columns = None
+        if any(self.cache.is_sliding):
+            # a sliding-window layer keeps its last columns only: drop rows, keep the holes
+            self.mask = self.mask[idx]
+        else:
+            # columns[i, j]: the cache slot of row i's j-th real token, -1 past its end
+            columns = pad_rows(real, -1, torch.long, idx.device)
+            self.mask = (columns >= 0).long()
+            columns = columns.clamp(min=0)
+            real = [list(range(len(slots))) for slots in real]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[idx]
+            layer.values = layer.values[idx]
+            if columns is not None:
+                heads = layer.keys.shape[1]
+                head_dim = layer.keys.shape[-1]
+                at = columns[:, None, :, None].expand(-1, heads, -1, head_dim)
+                layer.keys = layer.keys.gather(2, at)
+                layer.values = layer.values.gather(2, at)
+        self.real_slots = real
+        self.length = self.length[idx]
+        self.last_logits = self.last_logits[idx]
+        self.gens = [self.gens[r] for r in rows]
+        self.n = len(rows)
+        self.saved_logits = {
+            i: self.saved_logits[r] for i, r in enumerate(rows) if r in self.saved_logits
+        }
+
+    @torch.no_grad()
+    def retract(self, row: int, n_tokens: int) -> None:
+        """Mask out the row's last n_tokens (they become holes); its next-token logits return to
+        what they were before them."""
+        kept = len(self.real_slots[row]) - n_tokens
+        slots = self.real_slots[row][kept:]
+        del self.real_slots[row][kept:]
+        self.mask[row, slots] = 0
+        self.length[row] -= n_tokens
+        self.last_logits[row] = self.saved_logits[row]
 
 
-def build_tiny_model(vocab_size: int, seed: int = 0):
-    torch.manual_seed(seed)
-    return Qwen3ForCausalLM(
-        Qwen3Config(
-            vocab_size=vocab_size,
-            hidden_size=128,
-            intermediate_size=384,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-            pad_token_id=0,
-            eos_token_id=SPECIAL.index("<|im_end|>"),
-        )
-    )
+def pad_rows(rows: list[list], fill, dtype, device) -> torch.Tensor:
+    """[N, T] tensor of right-padded rows, T = the longest row."""
+    out = torch.full((len(rows), max(map(len, rows), default=0)), fill, dtype=dtype, device=device)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=dtype, device=device)
+    return out
 
 
-# ----------------------------------------------------------------------------- chat rendering (token-in, token-out)
+def token_logprobs(
+    model, seqs: list[list[int]], pad_id: int, temperature: float, device
+) -> torch.Tensor:
+    """[B, T] log-probs of each token given the ones before it, at the sampling temperature, of
+    the right-padded sequences (column 0 is 0).
+
+    No attention mask: under causal attention a real token never sees the pads after it, so the
+    pads (whatever their id) change nothing, and SDPA can run its faster causal kernel."""
+    ids = pad_rows(seqs, pad_id, torch.long, device)
+    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return F.pad(logp, (1, 0))
+
+
+# ----------------------------------------------------------------------------- chat rendering
 
 
 class Chat:
-    """Token ids of the pieces of a multi-turn chat, rendered through the tokenizer's own chat template.
+    """Token ids of the pieces of a multi-turn chat, rendered through the tokenizer's own chat
+    template (token-in, token-out).
 
-    A training sequence is prompt_ids(first message) + [agent ids ... <eos>] + turn_ids(observation) + [agent ...] ...
-    The agent's ids are kept exactly as sampled; only prompt and observation text is tokenized. Here an observation
-    is a user message and an action is the turn's text (the tiny model); extras/chat_tools.py's ToolChat renders
-    templates that take tools (Qwen3): actions as tool calls, observations as tool messages."""
+    A training sequence is prompt_ids(first message) + [agent ids ... eos] +
+    turn_ids(observation) + [agent ...] ... The agent's ids are kept exactly as sampled; only
+    prompt and observation text is tokenized. Here an observation is a user message and an action
+    is the turn's text (the tiny model); extras/chat_tools.py's ToolChat renders templates that
+    take tools (Qwen3): actions as tool calls, observations as tool messages."""
 
-    MARK, REPLY = "\x00MSG\x00", "\x00REPLY\x00"
+    MARK = "\x00MSG\x00"
+    REPLY = "\x00REPLY\x00"
 
     def __init__(self, tok, env: str = "navigation"):
-        self.tok, self.env_cls, self.eos_id = tok, envs.env_class(env), tok.eos_token_id
-        self.prompt_pre, self.prompt_post = self.render(
-            [{"role": "user", "content": self.MARK}]
-        ).split(self.MARK)
+        self.tok = tok
+        self.env_cls = envs.env_class(env)
+        self.eos_id = tok.eos_token_id
+        first_message = self.render([{"role": "user", "content": self.MARK}])
+        self.prompt_pre, self.prompt_post = first_message.split(self.MARK)
         self.turn_pre, self.turn_post = self.after_turn("user")
 
     def render(self, messages: list[dict]) -> str:
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def after_turn(self, role: str) -> list[str]:
-        """The template's text after an agent turn's eos, around the next `role` message. Past turns are never
-        re-rendered, so a template that renders history differently (Qwen3 drops past turns' empty think blocks)
-        still gives the tokens the model saw when it sampled."""
+        """The template's text after an agent turn's eos, around the next `role` message.
+
+        Past turns are never re-rendered, so a template that renders history differently (Qwen3
+        drops past turns' empty think blocks) still gives the tokens the model saw."""
         eos = self.tok.eos_token
         turn = self.render(
             [
@@ -313,14 +859,14 @@ class Chat:
         return self.ids(self.prompt_pre + content + self.prompt_post)
 
     def turn_ids(self, content: str, role: str | None = None) -> list[int]:
-        """Ids after the agent's eos: the next observation (`role`: the env's observation_role), assistant header."""
+        """Ids after the agent's eos: the next observation (`role`: the env's observation_role),
+        then the assistant header."""
         return self.ids(self.turn_pre + content + self.turn_post)
 
     def text(self, agent_ids: list[int]) -> str:
         """An agent turn as text, without its eos and special tokens."""
-        return self.tok.decode(
-            [i for i in agent_ids if i != self.eos_id], skip_special_tokens=True
-        ).strip()
+        ids = [i for i in agent_ids if i != self.eos_id]
+        return self.tok.decode(ids, skip_special_tokens=True).strip()
 
     def action_text(self, agent_ids: list[int]) -> str:
         """The env action a turn performs (its text here; ToolChat parses its tool call)."""
@@ -331,406 +877,119 @@ class Chat:
         return self.ids(action)
 
 
-# ----------------------------------------------------------------------------- batched decoding with a kept KV cache
+# ----------------------------------------------------------------------------- model and tokenizer
+
+SPECIAL = ["<pad>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>", "<|im_end|>"]
+# compact: a turn costs 2 marker tokens plus the agent's eos (14 tokens a Navigation turn)
+TINY_TEMPLATE = (
+    "{% for m in messages %}{% if not loop.first %} {% endif %}"
+    "<|{{ m['role'] }}|> {{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %} <|im_end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %} <|assistant|>{% endif %}"
+)
 
 
-def sample_token(
-    logits: torch.Tensor, temperature: float, top_p: float, gens: list[torch.Generator]
+def load_model(
+    path_or_tiny: str, seed: int = 0, dtype: torch.dtype = torch.float32, env: str = "navigation"
 ):
-    """Sample row i from softmax(logits_i / T), optionally nucleus-filtered, with its own generator gens[i]
-    (Gumbel-max: argmax_v log p_v + g_v, g_v = -log(-log u_v)); return ids and log pi(id) at temperature T.
-    One generator per row makes a row's sample independent of which other rows share the batch."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    keep = logp
-    if top_p < 1.0:
-        sp, si = logp.exp().sort(dim=-1, descending=True)
-        drop = torch.zeros_like(sp, dtype=torch.bool).scatter(-1, si, sp.cumsum(-1) - sp >= top_p)
-        keep = logp.masked_fill(drop, float("-inf"))
-    u = torch.stack([torch.rand(logp.shape[-1], generator=g, device=g.device) for g in gens]).to(
-        logp.device
+    """(model, tokenizer). `tiny` builds both from scratch: a word-level tokenizer over the words
+    of `env` and of intervene's prompts, with a chat template, and build_tiny_model. A directory
+    loads any local Hugging Face causal LM (nothing is downloaded)."""
+    if path_or_tiny == "tiny":
+        tok = build_tiny_tokenizer(env)
+        return build_tiny_model(len(tok), seed).to(dtype), tok
+    if not Path(path_or_tiny).is_dir():
+        raise FileNotFoundError(
+            f"model directory {path_or_tiny!r} not found (nothing is downloaded)"
+        )
+    tok = AutoTokenizer.from_pretrained(path_or_tiny, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path_or_tiny, local_files_only=True, dtype=dtype)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def build_tiny_tokenizer(env: str = "navigation") -> PreTrainedTokenizerFast:
+    """A word-level tokenizer: one id per word of SPECIAL, the env's vocabulary and intervene's
+    prompt words, in that order (the committed checkpoints depend on it)."""
+    vocab = {}
+    for word in SPECIAL + envs.env_class(env).vocabulary() + intervene.PROMPT_WORDS:
+        vocab.setdefault(word, len(vocab))
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        chat_template=TINY_TEMPLATE,
     )
-    ids = (keep - torch.log(-torch.log(u.clamp(1e-20, 1 - 1e-7)))).argmax(-1)
-    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
 
-class DecodeSession:
-    """N rows decoded in lockstep through one KV cache that is kept across turns.
-
-    Rows grow independently: a call that feeds tokens to some rows pads the others with masked slots (holes), and
-    position ids count only real tokens, so each row computes exactly what it would alone (tests check this), but
-    for a sliding-window layer, whose window counts holes too. `keep` drops finished rows and packs out holes;
-    `retract` masks a row's latest tokens out (to replace a turn)."""
-
-    def __init__(
-        self, model, prefixes: list[list[int]], pad_id: int, seeds: list[int] | None = None
-    ):
-        self.model, self.pad_id, self.n = model, pad_id, len(prefixes)
-        dev = next(model.parameters()).device
-        self.gens = [
-            torch.Generator(device=dev).manual_seed(int(s) % 2**63)  # one sampling stream per row
-            for s in (range(self.n) if seeds is None else seeds)
-        ]
-        self.cache = DynamicCache(config=model.config)
-        self.mask = torch.zeros(self.n, 0, dtype=torch.long, device=dev)
-        self.length = torch.zeros(self.n, dtype=torch.long, device=dev)  # real tokens per row
-        self.last_logits = torch.zeros(self.n, model.config.vocab_size, device=dev)
-        self.real_slots: list[list[int]] = [
-            [] for _ in range(self.n)
-        ]  # cache slot of each real token
-        self.saved_logits: dict[int, torch.Tensor] = {}  # next-token logits before a turn
-        self.feed(list(range(self.n)), prefixes)
-
-    @torch.no_grad()
-    def feed(self, rows: list[int], chunks: list[list[int]]) -> None:
-        """Append chunks[i] to row rows[i] (one forward pass); the next-token logits of those rows are updated."""
-        rows_chunks = [(r, c) for r, c in zip(rows, chunks) if len(c) > 0]
-        if not rows_chunks:
-            return
-        dev, width, start = (
-            self.mask.device,
-            max(len(c) for _, c in rows_chunks),
-            self.mask.shape[1],
-        )
-        ids = torch.full((self.n, width), self.pad_id, dtype=torch.long, device=dev)
-        new_mask = torch.zeros(self.n, width, dtype=torch.long, device=dev)
-        for r, c in rows_chunks:  # left-align each chunk; trailing pads are holes
-            ids[r, : len(c)] = torch.tensor(c, device=dev)
-            new_mask[r, : len(c)] = 1
-            self.real_slots[r].extend(range(start, start + len(c)))
-        pos = self.length[:, None] + (new_mask.cumsum(-1) - 1).clamp(min=0)
-        self.mask = torch.cat([self.mask, new_mask], 1)
-        lens = new_mask.sum(-1)
-        has, last = lens > 0, lens[lens > 0] - 1
-        keep = torch.unique(
-            last
-        )  # only the columns whose logits are used: all of them is GBs at a 150k vocabulary
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self.mask,
-            position_ids=pos,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=keep,
-        )
-        self.last_logits[has] = out.logits[has, torch.searchsorted(keep, last)].float()
-        self.length += lens
-
-    @torch.no_grad()
-    def sample_turn(
-        self, rows: list[int], max_new: int, eos_id: int, temperature: float, top_p: float
-    ) -> tuple[list[list[int]], list[list[float]]]:
-        """Sample one agent turn (up to max_new tokens, stopping at eos) for each row in `rows`."""
-        ids_out, logp_out = [[] for _ in rows], [[] for _ in rows]
-        live = list(range(len(rows)))
-        self.saved_logits = {r: self.last_logits[r].clone() for r in rows}  # for retract
-        while live:
-            tok, lp = sample_token(
-                self.last_logits[[rows[i] for i in live]],
-                temperature,
-                top_p,
-                [self.gens[rows[i]] for i in live],
-            )
-            for j, i in enumerate(live):
-                ids_out[i].append(int(tok[j]))
-                logp_out[i].append(float(lp[j]))
-            self.feed([rows[i] for i in live], [[ids_out[i][-1]] for i in live])
-            live = [i for i in live if ids_out[i][-1] != eos_id and len(ids_out[i]) < max_new]
-        return ids_out, logp_out
-
-    @torch.no_grad()
-    def keep(self, rows: list[int]) -> None:
-        """Keep only `rows`, renumbered: row rows[i] becomes row i, its real tokens packed to the left of the cache
-        (their keys carry their positions already), so finished episodes and holes stop costing compute and memory."""
-        idx, real = (
-            torch.tensor(rows, dtype=torch.long, device=self.mask.device),
-            [self.real_slots[r] for r in rows],
-        )
-        if any(
-            self.cache.is_sliding
-        ):  # a sliding-window layer keeps its last columns only: drop rows only
-            self.mask, cols = self.mask[idx], None
-        else:  # cols[i, j]: the slot of row i's j-th real token, -1 past its end
-            cols = pad_rows(real, -1, torch.long, idx.device)
-            self.mask, cols, real = (
-                (cols >= 0).long(),
-                cols.clamp(min=0),
-                [list(range(len(s))) for s in real],
-            )
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[idx], layer.values[idx]
-            if cols is not None:
-                at = cols[:, None, :, None].expand(
-                    -1, layer.keys.shape[1], -1, layer.keys.shape[-1]
-                )
-                layer.keys, layer.values = layer.keys.gather(2, at), layer.values.gather(2, at)
-        self.real_slots, self.length, self.last_logits = (
-            real,
-            self.length[idx],
-            self.last_logits[idx],
-        )
-        self.gens, self.n = [self.gens[r] for r in rows], len(rows)
-        self.saved_logits = {
-            i: self.saved_logits[r] for i, r in enumerate(rows) if r in self.saved_logits
-        }
-
-    @torch.no_grad()
-    def retract(self, row: int, n_tokens: int) -> None:
-        """Mask out the row's last n_tokens (they become holes); its next-token logits return to before them."""
-        slots = self.real_slots[row][len(self.real_slots[row]) - n_tokens :]
-        del self.real_slots[row][len(self.real_slots[row]) - n_tokens :]
-        self.mask[row, slots] = 0
-        self.length[row] -= n_tokens
-        self.last_logits[row] = self.saved_logits[row]
+def build_tiny_model(vocab_size: int, seed: int = 0) -> Qwen3ForCausalLM:
+    """A 0.8M-parameter Qwen3: hidden 128, 4 layers, 4 heads, 2 KV heads, head_dim 32, 2,048
+    positions, tied embeddings; weights drawn from `seed`."""
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=SPECIAL.index("<|im_end|>"),
+    )
+    return Qwen3ForCausalLM(config)
 
 
-def pad_rows(rows: list[list], fill, dtype, device) -> torch.Tensor:
-    """[N, T] tensor of right-padded rows, T = the longest row."""
-    out = torch.full((len(rows), max(map(len, rows), default=0)), fill, dtype=dtype, device=device)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=dtype, device=device)
-    return out
-
-
-def token_logprobs(
-    model, seqs: list[list[int]], pad_id: int, temperature: float, device
-) -> torch.Tensor:
-    """[B, T] log-probs of each token given the ones before it, at the sampling temperature (column 0 is 0), of the
-    right-padded sequences. No attention mask: under causal attention a real token never sees the pads after it,
-    so the pads (whatever their id) change nothing, and SDPA can run its faster causal kernel."""
-    ids = pad_rows(seqs, pad_id, torch.long, device)
-    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float() / temperature
-    return F.pad(torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
-
-
-class Sampler:
-    """The policy as the loop and intervene.py (its `Policy` protocol) use it: the network `model`, its chat pieces,
-    batched sampling through KV-cached sessions and log-prob scoring."""
-
-    def __init__(
-        self,
-        model,
-        tok,
-        temperature=1.0,
-        top_p=1.0,
-        max_turn_tokens=4,
-        seed=0,
-        micro_batch=8,
-        env="navigation",
-        user=None,
-        chat: Chat | None = None,
-    ):
-        self.model, self.tok, self.chat = model, tok, chat or Chat(tok, env)
-        self.user = user  # plays the user in envs that have one (Env.make_user)
-        self.temperature, self.top_p, self.max_turn_tokens = temperature, top_p, max_turn_tokens
-        self.micro_batch, self.device = micro_batch, next(model.parameters()).device
-        self.gen = torch.Generator(device=self.device).manual_seed(seed)
-
-    def make_env(self, task) -> envs.Env:
-        """A fresh environment for `task` (with its user, if the env has one)."""
-        return self.chat.env_cls.make(task, self.user)
-
-    def session(self, prefixes: list[list[int]], seeds: list[int] | None = None) -> DecodeSession:
-        """A decoding session; row i samples from its own stream `seeds[i]` (default: drawn from self.gen)."""
-        if seeds is None:
-            seeds = torch.randint(
-                2**62, (len(prefixes),), generator=self.gen, device=self.gen.device
-            ).tolist()
-        return DecodeSession(self.model, prefixes, self.tok.pad_token_id, seeds)
-
-    def sample_turn(self, session: DecodeSession, rows: list[int], max_new: int | None = None):
-        return session.sample_turn(
-            rows, max_new or self.max_turn_tokens, self.chat.eos_id, self.temperature, self.top_p
-        )
-
-    def generate(self, contexts: list[list[int]], max_new: int | None = None):
-        """One agent turn for each context, re-encoding the context (corrector and LLM roles)."""
-        return (
-            self.sample_turn(self.session(contexts), list(range(len(contexts))), max_new)
-            if contexts
-            else ([], [])
-        )
-
-    @torch.no_grad()
-    def score(self, seqs: list[list[int]]) -> list[list[float]]:
-        """log pi(y_t | y_<t) at the sampling temperature for every token (0.0 for the first)."""
-        out = []
-        for i in range(0, len(seqs), self.micro_batch):
-            lp = token_logprobs(
-                self.model,
-                seqs[i : i + self.micro_batch],
-                self.tok.pad_token_id,
-                self.temperature,
-                self.device,
-            )
-            out += [lp[j, : len(s)].tolist() for j, s in enumerate(seqs[i : i + self.micro_batch])]
-        return out
-
-
-# ----------------------------------------------------------------------------- trajectories and rollout
-
-
-@dataclass
-class Trajectory:
-    """One episode as the exact token sequence the model saw, with per-token bookkeeping."""
-
-    task: object
-    group: int
-    ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(
-        default_factory=list
-    )  # 1 on agent tokens, 0 on prompt and environment tokens
-    source: list[int] = field(default_factory=list)  # POLICY or INTERVENED per token
-    sample_logp: list[float] = field(
-        default_factory=list
-    )  # log-prob when sampled (policy) / written (corrector)
-    actions: list[str] = field(default_factory=list)
-    turns: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # (start, end) of each agent turn in ids
-    observations: list[str] = field(
-        default_factory=list
-    )  # observations[i] is the user content before turn i
-    reward: float = 0.0
-    rubric: dict = field(default_factory=dict)
-    intervention: dict | None = None
-    seed: int | None = None  # the sampling stream of this episode
-
-    def truncated(self, k: int) -> "Trajectory":
-        """A copy of the episode before agent turn k (ends with the user message that turn k answered)."""
-        end = self.turns[k][0] if k < len(self.turns) else len(self.ids)
-        return Trajectory(
-            task=self.task,
-            group=self.group,
-            ids=self.ids[:end],
-            loss_mask=self.loss_mask[:end],
-            source=self.source[:end],
-            sample_logp=self.sample_logp[:end],
-            actions=self.actions[:k],
-            turns=self.turns[:k],
-            observations=self.observations[: k + 1],
-            seed=self.seed,
-        )
-
-    def add(self, ids, loss_mask, source, logp=None):
-        self.ids += ids
-        self.loss_mask += [loss_mask] * len(ids)
-        self.source += [source] * len(ids)
-        self.sample_logp += logp if logp is not None else [0.0] * len(ids)
-
-    def step(self, chat: Chat, env, agent_ids, logp, source=POLICY) -> list[int] | None:
-        """Record an agent turn (one cut off before eos is closed with a non-trained eos) and execute its action in
-        `env`. Returns the tokens that follow the turn in the model's context (that eos, then the observation), or
-        None when the episode ended (then reward and rubric are set)."""
-        start = len(self.ids)
-        self.add(agent_ids, 1, source, logp)
-        closed = agent_ids[-1:] == [chat.eos_id]
-        if not closed:
-            self.add([chat.eos_id], 0, POLICY)
-        self.turns.append((start, len(self.ids)))
-        self.actions.append(chat.action_text(agent_ids))
-        obs, done = env.step(self.actions[-1])
-        if done:
-            result = env.score()
-            self.reward, self.rubric = float(result.success), dict(result.items)
-            return None
-        self.observations.append(obs)
-        chunk = chat.turn_ids(obs, env.observation_role)
-        self.add(chunk, 0, POLICY)
-        return ([] if closed else [chat.eos_id]) + chunk
-
-
-def episode_seed(seed: int, task_id: str, j: int) -> int:
-    """The sampling stream of sample j of a task: a function of (seed, task, j) alone, so an episode samples the same
-    tokens whatever else shares its batch, on one process or split across several."""
-    return zlib.crc32(
-        f"{seed}/{task_id}/{j}".encode()
-    )  # 32 bits: torch's CPU generator seeds from the low 32
-
-
-def rollout(
-    sampler: Sampler, tasks: list, group_size: int, seed: int | None = None
-) -> list[Trajectory]:
-    """Sample B x G multi-turn episodes in lockstep: one batched decoding pass per turn for all live episodes.
-
-    The KV cache is kept across turns, so each turn feeds only the new observation tokens. Each episode samples
-    from its own stream (episode_seed); `seed` None draws one from sampler.gen."""
-    sampler.model.eval()
-    if seed is None:
-        seed = int(torch.randint(2**62, (1,), generator=sampler.gen, device=sampler.gen.device))
-    env_list, trajs = [], []
-    for g, task in enumerate(tasks):
-        for j in range(group_size):
-            env_list.append(sampler.make_env(task))
-            trajs.append(
-                Trajectory(
-                    task,
-                    g,
-                    observations=[env_list[-1].reset()],
-                    seed=episode_seed(seed, task.task_id, j),
-                )
-            )
-            trajs[-1].add(sampler.chat.prompt_ids(trajs[-1].observations[0]), 0, POLICY)
-    session = sampler.session([t.ids for t in trajs], [t.seed for t in trajs])
-    live = list(range(len(trajs)))  # live[i]: the episode in session row i
-    while live:
-        ids, logps = sampler.sample_turn(session, list(range(len(live))))
-        chunks = [
-            trajs[e].step(sampler.chat, env_list[e], a_ids, a_lp)
-            for e, a_ids, a_lp in zip(live, ids, logps)
-        ]
-        going = [i for i, c in enumerate(chunks) if c is not None]
-        if len(going) < len(live):
-            session.keep(going)  # finished episodes leave the batch
-        live = [live[i] for i in going]
-        session.feed(list(range(len(live))), [chunks[i] for i in going])
-    return trajs
-
-
-def evaluate_policy(
-    sampler: Sampler,
-    tasks: list,
-    n: int,
-    seed: int = 1234,
-    chunk: int = 256,
-    per_task: bool = False,
-):
-    """pass@k / pass^k of the policy on `tasks` with n samples each (evaluate.summarize), on streams of their own.
-    per_task=True also returns the successes, one list of n booleans per task."""
-    successes, per_chunk = [], max(1, chunk // n)
-    for i in range(0, len(tasks), per_chunk):
-        trajs = rollout(sampler, tasks[i : i + per_chunk], n, seed)
-        successes += [[t.reward > 0 for t in trajs[g : g + n]] for g in range(0, len(trajs), n)]
-    summary = evaluate.summarize(successes, k_max=min(4, n))
-    return (summary, successes) if per_task else summary
-
-
-# ----------------------------------------------------------------------------- where the model runs (the plug-in)
+# ----------------------------------------------------------------------------- where the model runs
 
 
 class Backend:
-    """One process, fp32 on the CPU. The loop asks only this object where the model runs, so extras/scale.py plugs
-    in GPUs, bf16, LoRA, gradient checkpointing, chat templates with tools and FSDP2 across torchrun processes by
-    subclassing it. With one process: `gathered(model)` (a context holding the full weights for a stretch of
-    inference) does nothing, `all_reduce(x, op)` and `reduce_metrics(metrics)` return their input, and `my_tasks(tasks)`
-    (this process's share of a batch, whole groups) is the whole batch."""
+    """One process, fp32 on the CPU: where the model runs, the one thing the loop asks.
 
-    rank, world, device, dtype = 0, 1, torch.device("cpu"), torch.float32
-    gathered = staticmethod(lambda model: nullcontext())
-    all_reduce = staticmethod(lambda x, op="sum": x)
-    reduce_metrics = staticmethod(lambda metrics: metrics)
-    my_tasks = staticmethod(lambda tasks: tasks)
+    extras/scale.py subclasses it for GPUs, bf16, LoRA, gradient checkpointing, chat templates with
+    tools and FSDP2 across torchrun processes. With one process the collective methods return
+    their input and a process's share of a batch is the whole batch."""
+
+    rank = 0
+    world = 1
+    device = torch.device("cpu")
+    dtype = torch.float32
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+
+    def gathered(self, model):
+        """A context that holds the full weights for a stretch of inference (FSDP gathers them)."""
+        return nullcontext()
+
+    def all_reduce(self, x: float, op: str = "sum") -> float:
+        """x summed (or maxed) over processes."""
+        return x
+
+    def reduce_metrics(self, metrics: dict) -> dict:
+        """A step's metrics combined over processes."""
+        return metrics
+
+    def my_tasks(self, tasks: list) -> list:
+        """This process's share of a batch, whole groups."""
+        return tasks
 
     def prepare(self, model, tok, env: str) -> tuple:
         """The loaded model ready to train, and the Chat that renders its turns."""
         return model.to(self.device, self.dtype), Chat(tok, env)
 
     def evaluate(self, sampler: Sampler, tasks: list, n: int, seed: int):
+        """(summary, per-task successes) of the policy on `tasks` (evaluate_policy)."""
         return evaluate_policy(sampler, tasks, n, seed=seed, per_task=True)
 
     def save_checkpoint(self, path: Path, sampler: Sampler, opt, state: dict) -> None:
+        """Model, optimizer and `state` in one file, written atomically."""
         tmp = path.with_suffix(".tmp")
         torch.save(
             {"model": sampler.model.state_dict(), "optimizer": opt.state_dict(), **state}, tmp
@@ -738,6 +997,7 @@ class Backend:
         os.replace(tmp, path)
 
     def load_checkpoint(self, path: Path, sampler: Sampler, opt) -> dict:
+        """Restore model and optimizer from `path`; return the saved state."""
         if not path.exists():
             raise FileNotFoundError(f"--resume: no checkpoint at {path}")
         state = torch.load(path, weights_only=False)
@@ -746,148 +1006,103 @@ class Backend:
         return state
 
     def save_model(self, sampler: Sampler, path: Path) -> None:
+        """The trained model and its tokenizer, loadable by load_model."""
         sampler.model.save_pretrained(path)
         sampler.tok.save_pretrained(path)
 
 
-# ----------------------------------------------------------------------------- RL training
+# ----------------------------------------------------------------------------- the training loop
 
 
-def update(
-    sampler: Sampler,
-    opt,
-    trajs: list[Trajectory],
-    advantages: torch.Tensor,
-    cfg: Config,
-    backend: Backend | None = None,
-    seed: int = 0,
-) -> dict:
-    """PPO-style updates on one rollout batch: pi_old's log-probs by one scoring pass at the sampling temperature,
-    then `updates_per_batch` epochs, each of `mini_batches` AdamW steps on shuffled parts of the batch (verl's
-    ppo_mini_batch_size, TRL's steps_per_generation), so that from the second step on the ratio and the clip act.
-    With a single step per batch pi_old is the policy being updated: its log-probs are that step's own forward pass
-    (detached), and every ratio is 1.
-
-    Micro-batches of `micro_batch` rows accumulate into one step, each weighted by its share of the part's tokens
-    (token-mean) or rows, so they add up to the part's loss. With several processes the part is the global one:
-    shares use global counts, every process runs as many micro-batches as the busiest (empty ones where it has
-    none), and the loss is scaled by the world size, as FSDP averages gradients. Metric `loss` is the mean of the
-    steps' losses; the others are means over micro-batches."""
-    backend, model = backend or Backend(cfg), sampler.model
-    old, steps = None, cfg.updates_per_batch * cfg.mini_batches
-    if steps > 1:
-        with backend.gathered(model):
-            old = sampler.score([t.ids for t in trajs])
-    model.train()
-    empty = Trajectory(
-        None, -1, ids=[sampler.tok.pad_token_id], loss_mask=[0], source=[POLICY], sample_logp=[0.0]
-    )
-    metrics, batch_loss, order, rng = [], 0.0, list(range(len(trajs))), random.Random(seed)
-    pad = lambda rows, dtype=torch.float32: pad_rows(rows, 0, dtype, sampler.device)  # noqa: E731
-    for _ in range(cfg.updates_per_batch):
-        if cfg.mini_batches > 1:
-            rng.shuffle(order)
-        for part in np.array_split(order, cfg.mini_batches):
-            part = sorted(
-                part.tolist(), key=lambda r: len(trajs[r].ids)
-            )  # alike lengths: less padding
-            n_tok = backend.all_reduce(sum(sum(trajs[r].loss_mask) for r in part))
-            n_rows = backend.all_reduce(len(part))
-            n_micro = int(backend.all_reduce(-(-len(part) // cfg.micro_batch), "max"))
-            opt.zero_grad(set_to_none=True)
-            for i in range(0, n_micro * cfg.micro_batch, cfg.micro_batch):
-                idx = part[i : i + cfg.micro_batch]
-                rows = [trajs[r] for r in idx] or [empty]
-                adv = (advantages[idx] if idx else torch.zeros(1)).to(sampler.device)
-                logp = token_logprobs(
-                    model,
-                    [t.ids for t in rows],
-                    sampler.tok.pad_token_id,
-                    sampler.temperature,
-                    sampler.device,
-                )
-                mask = pad([t.loss_mask for t in rows])
-                old_logp = logp.detach() if old is None else pad([old[r] for r in idx] or [[0.0]])
-                loss, m = policy_loss(
-                    logp,
-                    old_logp,
-                    adv,
-                    mask,
-                    source=pad([t.source for t in rows], torch.long),
-                    behavior_logp=pad([t.sample_logp for t in rows]),
-                    config=cfg.loss,
-                )
-                share = (
-                    mask.sum().item() / max(1, n_tok)
-                    if cfg.loss.agg == "token-mean"
-                    else len(idx) / max(1, n_rows)
-                )
-                (loss * share * backend.world).backward()
-                batch_loss += loss.item() * share / steps
-                if idx:
-                    metrics.append({"loss": loss.item(), **m})
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-    out = {k: float(np.mean([m[k] for m in metrics])) for k in (metrics[0] if metrics else ())}
-    out["loss"] = backend.all_reduce(batch_loss)
-    out["grad_norm"] = float(
-        grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    )
-    return out
-
-
-def train_step(
-    sampler: Sampler,
-    opt,
-    tasks: list,
-    cfg: Config,
-    seed: int | None = None,
-    backend: Backend | None = None,
-) -> dict:
-    """Sample -> (RTI) -> rewards -> group advantages -> update. Returns the step's metrics. `seed` fixes the
-    episodes' sampling streams (rollout) and the mini-batch shuffle; the trainer derives it from --seed and the step.
-    Groups may differ in size (paired RTI adds corrections to their group): advantages are taken group by group."""
+def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
+    """The training loop: `cfg.steps` calls of train_step, with evaluations, a metrics log and
+    checkpoints. Returns the test metrics {"before", "after"} (evaluate.summarize), the run's
+    intervention statistics and the sampler. With several processes each runs it on its share of
+    every batch; process 0 logs and writes."""
     backend = backend or Backend(cfg)
-    t0 = time.time()
-    with backend.gathered(
-        sampler.model
-    ):  # processes run different numbers of forwards from here to t2
-        trajs = rollout(sampler, tasks, cfg.group_size, seed)
-        t1 = time.time()
-        metrics = {
-            "train_success": float(np.mean([t.reward for t in trajs])),
-            "turns": float(np.mean([len(t.actions) for t in trajs])),
-        }
-        if cfg.method == "rti":
-            trajs, counts = intervene.intervene_batch(sampler, trajs, cfg.rti, sampler.make_env)
-            metrics.update({f"rti/{k}": v for k, v in evaluate.intervention_rates(counts).items()})
-    t2 = time.time()
-    rewards, group_ids = torch.tensor([t.reward for t in trajs]), [t.group for t in trajs]
-    adv = advantages_by_group(rewards, group_ids, scale=cfg.loss.scale_advantages)
-    metrics["train_success_after_rti"] = float(rewards.mean())
-    metrics["groups_with_spread"] = float(
-        np.mean(
-            [len({trajs[i].reward for i in rows}) > 1 for rows in group_rows(group_ids).values()]
-        )
+    seed_everything(cfg.seed, cfg.threads)
+    main_process = backend.rank == 0
+    if not main_process:
+        log = silent
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl" if main_process else None
+    checkpoint = out / "ckpt.pt"
+
+    sampler = init_sampler(cfg, backend)
+    trainable = [p for p in sampler.model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    train_tasks = envs.env_tasks(cfg.env, cfg.train_split)
+    test_tasks = envs.env_tasks(cfg.env, cfg.test_split)[: cfg.eval_tasks]
+    task_rng = random.Random(cfg.seed)
+    results = {}
+    first_step = 0
+    rti_steps = []  # each step's intervention counts, for the run's totals
+    if cfg.resume:
+        first_step, rti_steps = load_checkpoint(backend, checkpoint, sampler, opt, task_rng)
+        log(f"resumed from {checkpoint} at step {first_step}")
+        truncate_metrics(metrics_path, first_step)  # the rows past the checkpoint come again
+    else:
+        truncate_metrics(metrics_path, 0)
+        if cfg.eval_tasks and cfg.eval_before:
+            results["before"], results["before_tasks"] = run_test(backend, sampler, test_tasks, cfg)
+            log(f"before training: test p@1 {results['before']['p@1']:.2f}")
+            log_test(metrics_path, 0, results["before"])
+
+    bar = tqdm(
+        range(first_step, cfg.steps),
+        desc=f"{cfg.method} training",
+        disable=not (cfg.progress and main_process),
+        file=sys.stderr,
     )
-    keep = [i for i in range(len(trajs)) if adv[i] != 0]  # zero-advantage rows add nothing but cost
-    if backend.all_reduce(len(keep)):  # with several processes every one joins the update
-        metrics.update(
-            update(sampler, opt, [trajs[i] for i in keep], adv[keep], cfg, backend, seed or 0)
+    for step in bar:
+        tasks = backend.my_tasks(task_rng.sample(train_tasks, cfg.batch_tasks))
+        start = time.time()
+        for group in opt.param_groups:  # a function of the step alone: --resume needs no state
+            group["lr"] = learning_rate(step, cfg)
+        step_seed = cfg.seed * envs.SEED_STRIDE + step
+        metrics = train_step(sampler, opt, tasks, cfg, seed=step_seed, backend=backend)
+        metrics["step"] = step + 1
+        metrics["time/step"] = time.time() - start
+        evaluate_now = cfg.eval_every and (step + 1) % cfg.eval_every == 0
+        if evaluate_now and cfg.eval_tasks and step + 1 < cfg.steps:
+            summary = run_test(backend, sampler, test_tasks, cfg)[0]
+            metrics.update({f"test/{k}": v for k, v in summary.items()})
+        rti_steps.append({k[4:]: v for k, v in metrics.items() if k.startswith("rti/")})
+        append_metrics(metrics_path, metrics)
+        bar.set_postfix(
+            success=f"{metrics['train_success']:.2f}", loss=f"{metrics.get('loss', 0):.3f}"
         )
-    metrics.update(
-        {
-            "time/rollout": t1 - t0,
-            "time/intervene": t2 - t1,
-            "time/update": time.time() - t2,
-            "trained_rows": len(keep),
-        }
-    )
-    return backend.reduce_metrics(metrics)
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
+            save_checkpoint(backend, checkpoint, sampler, opt, task_rng, step + 1, rti_steps, cfg)
+
+    if cfg.method == "rti":
+        results["interventions"] = evaluate.run_totals(rti_steps)
+    if cfg.eval_tasks:
+        results["after"], results["after_tasks"] = run_test(backend, sampler, test_tasks, cfg)
+        log_test(metrics_path, cfg.steps, results["after"])
+        if main_process:
+            run = {"config": dataclasses.asdict(cfg), **results}
+            (out / "results.json").write_text(json.dumps(run))
+    backend.save_model(sampler, out / "model")
+    return {**results, "sampler": sampler}
+
+
+def silent(*args, **kwargs) -> None:
+    """The log of a process other than the first."""
+
+
+def seed_everything(seed: int, threads: int) -> None:
+    """Python's, NumPy's and torch's global generators, and torch's CPU threads."""
+    torch.set_num_threads(threads)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def init_sampler(cfg: Config, backend: Backend) -> Sampler:
-    """The model to train: the tiny model from --init (the committed warm start by default), or --model PATH."""
+    """The policy to train: the tiny model from --init (the committed warm start by default), or
+    --model PATH."""
     tiny_init = cfg.model == "tiny" and cfg.init
     if tiny_init and not (Path(cfg.init) / "config.json").exists():
         raise FileNotFoundError(
@@ -910,157 +1125,195 @@ def init_sampler(cfg: Config, backend: Backend) -> Sampler:
     return sampler
 
 
-def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
-    """The training loop; returns the test metrics {"before", "after"} (evaluate.summarize), the run's intervention
-    statistics and the sampler. With several processes each runs it on its share of every batch; process 0 logs."""
-    backend = backend or Backend(cfg)
-    torch.set_num_threads(cfg.threads)
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
-    main_process, out = backend.rank == 0, Path(cfg.out)
-    log = log if main_process else (lambda *a, **k: None)
-    out.mkdir(parents=True, exist_ok=True)
-    sampler = init_sampler(cfg, backend)
-    opt = torch.optim.AdamW(
-        [p for p in sampler.model.parameters() if p.requires_grad],
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
+def learning_rate(step: int, cfg: Config) -> float:
+    """--lr, ramped up linearly over the first --warmup-steps steps."""
+    if not cfg.warmup_steps:
+        return cfg.lr
+    return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps)
+
+
+def run_test(backend: Backend, sampler: Sampler, tasks: list, cfg: Config):
+    """(summary, per-task successes) on the test tasks, on evaluation streams of their own."""
+    return backend.evaluate(sampler, tasks, cfg.eval_samples, cfg.seed + EVAL_SEED_OFFSET)
+
+
+def truncate_metrics(path: Path | None, last_step: int) -> None:
+    """Keep the metrics log's rows up to `last_step` (a fresh run keeps none)."""
+    if path is None:
+        return
+    rows = path.read_text().splitlines() if last_step and path.exists() else []
+    kept = [row for row in rows if json.loads(row)["step"] <= last_step]
+    path.write_text("".join(row + "\n" for row in kept))
+
+
+def append_metrics(path: Path | None, row: dict) -> None:
+    """One JSON row of metrics.jsonl (None: this process does not log)."""
+    if path is None:
+        return
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def log_test(path: Path | None, step: int, summary: dict) -> None:
+    """An evaluation's row of metrics.jsonl: the test metrics at `step`."""
+    append_metrics(path, {"step": step, **{f"test/{k}": v for k, v in summary.items()}})
+
+
+def save_checkpoint(backend, path, sampler, opt, task_rng, step, rti_steps, cfg) -> None:
+    """Everything --resume needs to continue the run as if it had never stopped: weights,
+    optimizer, the step, the task order's and sampling generators' states, the counts so far."""
+    state = {
+        "step": step,
+        "task_rng": task_rng.getstate(),
+        "sample_rng": sampler.gen.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "rti_steps": rti_steps,
+        "config": dataclasses.asdict(cfg),
+    }
+    backend.save_checkpoint(path, sampler, opt, state)
+
+
+def load_checkpoint(backend, path, sampler, opt, task_rng) -> tuple[int, list[dict]]:
+    """Restore what save_checkpoint wrote; return (the step it was taken at, the counts so far)."""
+    state = backend.load_checkpoint(path, sampler, opt)
+    task_rng.setstate(state["task_rng"])
+    sampler.gen.set_state(state["sample_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    return state["step"], state.get("rti_steps", [])
+
+
+# ----------------------------------------------------------------------------- flags
+
+FLAG_TYPES = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "int | None": lambda s: None if s == "none" else int(s),
+}
+
+
+def flag_fields(cls) -> list[tuple[str | None, dataclasses.Field]]:
+    """(name of the nested config or None, field) for every flag of a config class."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory):
+            out += [(f.name, nested) for nested in dataclasses.fields(f.default_factory)]
+        else:
+            out.append((None, f))
+    return out
+
+
+def make_config(cls=Config, **flags):
+    """A config from flat flag names, as the command line gives them:
+    make_config(ppl_max=3, lr=1e-4) sets rti.ppl_max and lr."""
+    owner = {f.name: parent for parent, f in flag_fields(cls)}
+    unknown = set(flags) - set(owner)
+    if unknown:
+        raise TypeError(f"unknown config fields {sorted(unknown)}")
+    nested = {}
+    for f in dataclasses.fields(cls):
+        if f.name in owner.values():
+            own_flags = {k: v for k, v in flags.items() if owner[k] == f.name}
+            nested[f.name] = f.default_factory(**own_flags)
+    top = {k: v for k, v in flags.items() if owner[k] is None}
+    return cls(**top, **nested)
+
+
+def build_parser(cls=Config, commands=("train", "eval"), prog="rti.py") -> argparse.ArgumentParser:
+    """The command line of a config class: a flag per field, with the help text and choices of
+    the field's metadata, grouped by the config that owns it."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="RTI: Rollout-Time Intervention for agentic RL.",
+        usage=f"python {prog} [{' | '.join(commands)}] [MODEL_DIR] [--flag VALUE ...]",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    train_tasks = envs.env_tasks(cfg.env, cfg.train_split)
-    test_tasks = envs.env_tasks(cfg.env, cfg.test_split)[: cfg.eval_tasks]
-    task_rng, step, ckpt, results, rti_steps = random.Random(cfg.seed), 0, out / "ckpt.pt", {}, []
-    test = lambda: backend.evaluate(sampler, test_tasks, cfg.eval_samples, cfg.seed + 10_000)  # noqa: E731
-    if cfg.resume:
-        state = backend.load_checkpoint(ckpt, sampler, opt)
-        task_rng.setstate(state["task_rng"])
-        sampler.gen.set_state(state["sample_rng"])
-        torch.set_rng_state(state["torch_rng"])
-        step, rti_steps = state["step"], state.get("rti_steps", [])
-        log(f"resumed from {ckpt} at step {step}")
-        if main_process:  # the log's rows past the checkpoint will come again
-            logged = (out / "metrics.jsonl").read_text().splitlines()
-            (out / "metrics.jsonl").write_text(
-                "".join(r + "\n" for r in logged if json.loads(r)["step"] <= step)
+    p.add_argument("command", nargs="?", default=commands[0], choices=commands, help="what to run")
+    p.add_argument("path", nargs="?", help="eval: the model directory to evaluate")
+    groups = {None: p.add_argument_group("run (rti.py)")}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory):
+            module = f.default_factory.__module__
+            groups[f.name] = p.add_argument_group(f"{f.name} ({module}.py)")
+    for parent, f in flag_fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if f.type in ("bool", bool):
+            groups[parent].add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
-    elif cfg.eval_tasks and cfg.eval_before:
-        results["before"], results["before_tasks"] = test()
-        log(f"before training: test p@1 {results['before']['p@1']:.2f}")
-    log_file = (
-        (out / "metrics.jsonl").open("a" if cfg.resume else "w")
-        if main_process
-        else open(os.devnull, "w")
-    )
-    if "before" in results:
-        log_file.write(
-            json.dumps({"step": 0, **{f"test/{k}": v for k, v in results["before"].items()}}) + "\n"
-        )
-    bar = tqdm(
-        range(step, cfg.steps),
-        desc=f"{cfg.method} training",
-        disable=not (cfg.progress and main_process),
-        file=sys.stderr,
-    )
-    for step in bar:
-        tasks = backend.my_tasks(task_rng.sample(train_tasks, cfg.batch_tasks))
-        t0 = time.time()
-        for (
-            group
-        ) in opt.param_groups:  # a function of the step alone, so --resume needs no scheduler state
-            group["lr"] = (
-                cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+        else:
+            groups[parent].add_argument(
+                flag,
+                type=FLAG_TYPES[f.type],
+                default=f.default,
+                choices=f.metadata.get("choices"),
+                metavar=f.type.split()[0].upper() if "choices" not in f.metadata else None,
+                help=help_text,
             )
-        m = train_step(sampler, opt, tasks, cfg, seed=cfg.seed * 1_000_003 + step, backend=backend)
-        m.update({"step": step + 1, "time/step": time.time() - t0})
-        if (
-            cfg.eval_every
-            and (step + 1) % cfg.eval_every == 0
-            and cfg.eval_tasks
-            and step + 1 < cfg.steps
-        ):
-            m.update({f"test/{k}": v for k, v in test()[0].items()})
-        rti_steps.append({k[4:]: v for k, v in m.items() if k.startswith("rti/")})
-        log_file.write(json.dumps(m) + "\n")
-        log_file.flush()
-        bar.set_postfix(success=f"{m['train_success']:.2f}", loss=f"{m.get('loss', 0):.3f}")
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            backend.save_checkpoint(
-                ckpt,
-                sampler,
-                opt,
-                {
-                    "step": step + 1,
-                    "task_rng": task_rng.getstate(),
-                    "sample_rng": sampler.gen.get_state(),
-                    "torch_rng": torch.get_rng_state(),
-                    "rti_steps": rti_steps,
-                    "config": dataclasses.asdict(cfg),
-                },
-            )
-    if cfg.method == "rti":
-        results["interventions"] = evaluate.run_totals(rti_steps)
-    if cfg.eval_tasks:
-        results["after"], results["after_tasks"] = test()
-        log_file.write(
-            json.dumps({"step": cfg.steps, **{f"test/{k}": v for k, v in results["after"].items()}})
-            + "\n"
-        )
-        if main_process:
-            (out / "results.json").write_text(
-                json.dumps({"config": dataclasses.asdict(cfg), **results})
-            )
-    log_file.close()
-    backend.save_model(sampler, out / "model")
-    return {**results, "sampler": sampler}
+    return p
+
+
+def parse_args(argv=None, cls=Config, commands=("train", "eval"), prog="rti.py"):
+    """(command, model directory given after it or None, validated config) from the command
+    line; a bad flag exits naming it. The directory, if any, becomes --model (a model to
+    evaluate)."""
+    p = build_parser(cls, commands, prog)
+    args = vars(p.parse_args(argv))
+    command = args.pop("command")
+    path = args.pop("path")
+    if path:
+        args.update(model=path, init="")
+    try:
+        cfg = make_config(cls, **args)
+        cfg.validate()
+    except ValueError as e:  # LossConfig and RTIConfig say "field: why"
+        name, why = str(e).split(":", 1)
+        if not name.startswith("--"):
+            name = "--" + name.replace("_", "-")
+        p.error(f"{name}:{why}")
+    return command, path, cfg
+
+
+# ----------------------------------------------------------------------------- commands
 
 
 def report(cfg: Config, res: dict, seconds: float) -> str:
     """The demo's printout: the before/after table and the run's intervention statistics."""
-    rows = {
-        ("warm start" if k == "before" else f"after {cfg.steps} steps"): res[k]
-        for k in ("before", "after")
-        if k in res
-    }
-    lines = (
-        [
-            f"\n{cfg.method} on the {cfg.test_split} split ({cfg.eval_tasks} tasks x {cfg.eval_samples} samples):",
-            evaluate.format_table(rows),
-        ]
-        if rows
-        else []
-    )
-    if "interventions" in res:
+    names = {"before": "warm start", "after": f"after {cfg.steps} steps"}
+    rows = {names[k]: res[k] for k in ("before", "after") if k in res}
+    lines = []
+    if rows:
         lines.append(
-            f"\ninterventions over the run:\n{evaluate.intervention_report(res['interventions'])}"
+            f"\n{cfg.method} on the {cfg.test_split} split "
+            f"({cfg.eval_tasks} tasks x {cfg.eval_samples} samples):"
         )
-    return "\n".join(
-        lines
-        + [
-            f"wall time {seconds:.0f} s; metrics in {cfg.out}/metrics.jsonl, model in "
-            f"{cfg.out}/model"
-        ]
+        lines.append(evaluate.format_table(rows))
+    if "interventions" in res:
+        statistics = evaluate.intervention_report(res["interventions"])
+        lines.append(f"\ninterventions over the run:\n{statistics}")
+    lines.append(
+        f"wall time {seconds:.0f} s; metrics in {cfg.out}/metrics.jsonl, model in {cfg.out}/model"
     )
+    return "\n".join(lines)
 
 
 def eval_table(cfg: Config, backend: Backend) -> str:
-    """pass@1..4 and pass^1..4 of --model on the first --eval-tasks tasks of --test-split, as a table."""
+    """pass@1..4 and pass^1..4 of --model on the first --eval-tasks tasks of --test-split."""
     sampler = init_sampler(cfg, backend)
     tasks = envs.env_tasks(cfg.env, cfg.test_split)[: cfg.eval_tasks]
-    return evaluate.format_table(
-        {cfg.model: evaluate_policy(sampler, tasks, cfg.eval_samples, seed=cfg.seed)}
-    )
+    summary = evaluate_policy(sampler, tasks, cfg.eval_samples, seed=cfg.seed)
+    return evaluate.format_table({cfg.model: summary})
 
 
 def main(argv=None) -> None:
     command, _, cfg = parse_args(argv)
     torch.set_num_threads(cfg.threads)
-    t0 = time.time()
-    if (
-        command == "eval"
-    ):  # python rti.py eval MODEL_DIR [--env ... --test-split ... --eval-tasks N ...]
+    start = time.time()
+    if command == "eval":  # python rti.py eval MODEL_DIR [--test-split ... --eval-tasks N ...]
         print(eval_table(cfg, Backend(cfg)))
     else:
-        print(report(cfg, train(cfg), time.time() - t0))
+        print(report(cfg, train(cfg), time.time() - start))
 
 
 if __name__ == "__main__":

@@ -226,7 +226,7 @@ AGG = {
 def rollout_seed(seed: int, step: int, rank: int = 0) -> int:
     """The rollout seed of an optimizer step. Each episode samples from a stream fixed by (this seed, task, sample
     index) alone (rti.episode_seed), so a task's G episodes are the same whatever else is in the batch."""
-    return seed * 1_000_003 + step * 7919 + rank
+    return seed * envs.SEED_STRIDE + step * 7919 + rank
 
 
 def rubric_reward(completions, **kwargs):
