@@ -25,6 +25,8 @@ import random
 import sys
 import time
 import zlib
+from collections import Counter
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +53,7 @@ from loss import POLICY, LossConfig, advantages_by_group, group_rows, policy_los
 
 WARMSTART_DIR = "checkpoints/warmstart"
 METHODS = ("grpo", "rti")
+LOSS_DENOMINATORS = ("batch", "trained")
 EVAL_SEED_OFFSET = 10_000  # evaluations sample on streams of their own, apart from training's
 
 
@@ -127,6 +130,18 @@ class Config:
             "choices": METHODS,
         },
     )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={
+            "help": "DAPO's filter_groups: keep only groups whose rewards differ (after the "
+            "intervention, with rti) and sample rounds of new tasks until the batch holds "
+            "--batch-tasks of them"
+        },
+    )
+    max_sampling_rounds: int = field(
+        default=4,
+        metadata={"help": "dynamic sampling: rounds a step at most; then the batch may be short"},
+    )
     steps: int = field(default=8, metadata={"help": "training steps, one rollout batch each"})
     lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
@@ -136,6 +151,16 @@ class Config:
         metadata={
             "help": "optimizer steps per epoch, each on a shuffled part of the batch; from the "
             "second one on, the ratio and the clip act (chosen on the validation split)"
+        },
+    )
+    loss_denominator: str = field(
+        default="trained",
+        metadata={
+            "help": "what a mini-batch's loss is averaged over: 'batch', all its rows' tokens, "
+            "zero-advantage rows included (as TRL and verl: a step is as large as the share of "
+            "rows that teach); 'trained', only the rows with a non-zero advantage (a step on one "
+            "group is as large as a step on a full batch)",
+            "choices": LOSS_DENOMINATORS,
         },
     )
     warmup_steps: int = field(
@@ -180,6 +205,7 @@ class Config:
             "max_turn_tokens",
             "updates_per_batch",
             "mini_batches",
+            "max_sampling_rounds",
             "micro_batch",
             "eval_samples",
             "threads",
@@ -193,6 +219,12 @@ class Config:
         require(self, "group_size", self.group_size >= 2, "must be >= 2 for group advantages")
         require(self, "top_p", 0 < self.top_p <= 1, "must be in (0, 1]")
         require(self, "method", self.method in METHODS, f"must be one of {METHODS}")
+        require(
+            self,
+            "loss_denominator",
+            self.loss_denominator in LOSS_DENOMINATORS,
+            f"must be one of {LOSS_DENOMINATORS}",
+        )
         require(
             self,
             "group_size",
@@ -247,32 +279,26 @@ def train_step(
     cfg: Config,
     seed: int | None = None,
     backend: Backend | None = None,
+    draw_tasks: Callable[[], list] | None = None,
 ) -> dict:
     """One step of GRPO or RTI on a batch of tasks; returns the step's metrics.
 
     1. sample     G trajectories of each task (`rollout`)
-    2. intervene  RTI only: correct the groups where every trajectory failed (intervene.py)
+    2. intervene  RTI only: correct the groups where every trajectory failed (intervene.py);
+                  with --dynamic-sampling, 1 and 2 repeat on new tasks (`draw_tasks()`) until the
+                  batch holds as many groups with a reward spread as `tasks` has (`sample_batch`)
     3. advantages group z-scores of the rewards (loss.advantages_by_group); rows whose advantage is
-                  0 teach nothing and are left out
+                  0 teach nothing: they are not run, and count in the loss's denominator or not
+                  (--loss-denominator)
     4. update     PPO-style AdamW steps on the clipped surrogate (`update`, loss.policy_loss)
 
     `seed` fixes the episodes' sampling streams and the mini-batch shuffle (the trainer derives it
     from --seed and the step). Groups may differ in size (paired RTI adds corrections to their
     group): advantages are taken group by group."""
     backend = backend or Backend(cfg)
-    start = time.time()
     with backend.gathered(sampler.model):  # processes run different numbers of forwards in here
-        trajs = rollout(sampler, tasks, cfg.group_size, seed)
-        sampled = time.time()
-        metrics = {
-            "train_success": float(np.mean([t.reward for t in trajs])),
-            "turns": float(np.mean([len(t.actions) for t in trajs])),
-        }
-        if cfg.method == "rti":
-            trajs, counts = intervene.intervene_batch(sampler, trajs, cfg.rti, sampler.make_env)
-            rates = evaluate.intervention_rates(counts)
-            metrics.update({f"rti/{k}": v for k, v in rates.items()})
-    intervened = time.time()
+        trajs, metrics = sample_batch(sampler, tasks, cfg, seed, draw_tasks)
+    sampled = time.time()
 
     rewards = torch.tensor([t.reward for t in trajs])
     group_ids = [t.group for t in trajs]
@@ -283,16 +309,94 @@ def train_step(
     )
 
     trained = [i for i in range(len(trajs)) if advantages[i] != 0]
+    rows = trained if cfg.loss_denominator == "trained" else list(range(len(trajs)))
     if backend.all_reduce(len(trained)):  # with several processes, every one joins the update
-        trained_trajs = [trajs[i] for i in trained]
+        update_trajs = [trajs[i] for i in rows]
         metrics.update(
-            update(sampler, opt, trained_trajs, advantages[trained], cfg, backend, seed or 0)
+            update(sampler, opt, update_trajs, advantages[rows], cfg, backend, seed or 0)
         )
-    metrics["time/rollout"] = sampled - start
-    metrics["time/intervene"] = intervened - sampled
-    metrics["time/update"] = time.time() - intervened
+    metrics["time/update"] = time.time() - sampled
     metrics["trained_rows"] = len(trained)
     return backend.reduce_metrics(metrics)
+
+
+def sample_batch(
+    sampler: Sampler,
+    tasks: list,
+    cfg: Config,
+    seed: int | None,
+    draw_tasks: Callable[[], list] | None = None,
+) -> tuple[list[Trajectory], dict]:
+    """Steps 1 and 2 of train_step: the batch to learn from, and what sampling it cost.
+
+    Without --dynamic-sampling: one rollout of `tasks` (intervened with RTI). With it (DAPO's
+    `filter_groups`): only groups whose rewards differ are kept, and rounds of new tasks from
+    `draw_tasks()` are sampled until the batch holds len(tasks) of them (the extra ones of the
+    last round are dropped) or --max-sampling-rounds rounds have run; the batch may then be short.
+    Metrics: sampled and continued episodes, generated tokens (the policy's, every role included),
+    rounds, the rollout's success, and RTI's counts summed over the rounds."""
+    target = len(tasks)
+    rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
+    tokens_before = sampler.generated_tokens
+    sampled = []  # every rollout episode of every round
+    groups = []  # the batch, group by group (dynamic sampling)
+    counts = Counter()  # RTI's counts, summed over rounds
+    rollout_seconds = 0.0
+    intervene_seconds = 0.0
+    for round_index in range(rounds):
+        if round_index > 0:
+            tasks = draw_tasks()
+        start = time.time()
+        trajs = rollout(sampler, tasks, cfg.group_size, round_seed(seed, round_index))
+        rolled_out = time.time()
+        sampled += trajs
+        if cfg.method == "rti":
+            trajs, round_counts = intervene.intervene_batch(
+                sampler, trajs, cfg.rti, sampler.make_env
+            )
+            counts.update(round_counts)
+        rollout_seconds += rolled_out - start
+        intervene_seconds += time.time() - rolled_out
+        if not cfg.dynamic_sampling:
+            break
+        rows_of_group = group_rows([t.group for t in trajs]).values()
+        groups += [
+            [trajs[i] for i in rows]
+            for rows in rows_of_group
+            if has_spread([trajs[i] for i in rows])
+        ]
+        if len(groups) >= target:
+            break
+    if cfg.dynamic_sampling:
+        groups = groups[:target]
+        trajs = [t for group in groups for t in group]
+        for index, group in enumerate(groups):  # groups of different rounds must stay apart
+            for t in group:
+                t.group = index
+    metrics = {
+        "train_success": float(np.mean([t.reward for t in sampled])),
+        "turns": float(np.mean([len(t.actions) for t in sampled])),
+        # ints are summed over processes (Backend.reduce_metrics), floats averaged
+        "sampled_episodes": len(sampled),
+        "continued_episodes": int(counts.get("with_accepted", 0)),
+        "generated_tokens": int(sampler.generated_tokens - tokens_before),
+        "sampling_rounds": float(round_index + 1),
+        "batch_groups": len({t.group for t in trajs}),
+        "time/rollout": rollout_seconds,
+        "time/intervene": intervene_seconds,
+    }
+    if cfg.method == "rti":
+        rates = evaluate.intervention_rates(dict(counts))
+        metrics.update({f"rti/{k}": v for k, v in rates.items()})
+    return trajs, metrics
+
+
+def round_seed(seed: int | None, round_index: int) -> int | None:
+    """The sampling seed of a dynamic-sampling round: the step's own for the first round, a
+    derived one after it (so a task drawn again samples new episodes)."""
+    if seed is None or round_index == 0:
+        return seed
+    return zlib.crc32(f"{seed}/round/{round_index}".encode())
 
 
 def has_spread(group: list[Trajectory]) -> bool:
@@ -318,14 +422,17 @@ def update(
     log-probs are that step's own forward pass (detached), and every ratio is 1.
 
     Metric `loss` is the mean of the steps' losses, `grad_norm` the last step's; the others are
-    means over micro-batches."""
+    means over micro-batches. Rows whose advantage is 0 are never run (their loss is 0), but they
+    count in the mini-batch's token or row total (--loss-denominator batch passes them in)."""
     backend = backend or Backend(cfg)
     model = sampler.model
     n_steps = cfg.updates_per_batch * cfg.mini_batches
     old_logp = None
     if n_steps > 1:
+        teaching = [r for r in range(len(trajs)) if advantages[r] != 0]
         with backend.gathered(model):
-            old_logp = sampler.score([t.ids for t in trajs])
+            scores = sampler.score([trajs[r].ids for r in teaching])
+        old_logp = dict(zip(teaching, scores))
     model.train()
     rng = random.Random(seed)
     order = list(range(len(trajs)))
@@ -357,7 +464,7 @@ def backward_mini_batch(
     sampler: Sampler,
     trajs: list[Trajectory],
     advantages: torch.Tensor,
-    old_logp: list[list[float]] | None,
+    old_logp: dict[int, list[float]] | None,
     rows: list[int],
     cfg: Config,
     backend: Backend,
@@ -366,18 +473,20 @@ def backward_mini_batch(
     returns each micro-batch's share of the loss and the metrics of each non-empty one.
 
     Each micro-batch's loss is weighted by its share of the mini-batch's tokens (token-mean) or
-    rows, so the shares add up to the mini-batch's loss. With several processes the mini-batch is
+    rows, so the shares add up to the mini-batch's loss. Rows with advantage 0 are not run (their
+    loss is 0) but count in those totals. With several processes the mini-batch is
     the global one: shares use global counts, every process runs as many micro-batches as the
     busiest (empty ones where it has none), and the loss is scaled by the world size, as FSDP
     averages gradients."""
     device = sampler.device
     n_tokens = backend.all_reduce(sum(sum(trajs[r].loss_mask) for r in rows))
     n_rows = backend.all_reduce(len(rows))
-    n_micro = int(backend.all_reduce(math.ceil(len(rows) / cfg.micro_batch), "max"))
+    teaching = [r for r in rows if advantages[r] != 0]
+    n_micro = int(backend.all_reduce(math.ceil(len(teaching) / cfg.micro_batch), "max"))
     losses = []
     metrics_list = []
     for start in range(0, n_micro * cfg.micro_batch, cfg.micro_batch):
-        idx = rows[start : start + cfg.micro_batch]
+        idx = teaching[start : start + cfg.micro_batch]
         micro = [trajs[r] for r in idx] or [empty_trajectory(sampler.tok.pad_token_id)]
         adv = advantages[idx] if idx else torch.zeros(1)
         logp = token_logprobs(
@@ -589,6 +698,7 @@ class Sampler:
         self.micro_batch = micro_batch
         self.device = next(model.parameters()).device
         self.gen = torch.Generator(device=self.device).manual_seed(seed)
+        self.generated_tokens = 0  # every token this policy sampled, in any role: a compute figure
 
     def make_env(self, task) -> envs.Env:
         """A fresh environment for `task` (with its user, if the env has one)."""
@@ -604,9 +714,11 @@ class Sampler:
 
     def sample_turn(self, session: DecodeSession, rows: list[int], max_new: int | None = None):
         """One agent turn for each row of `session` in `rows`: (token ids, log-probs)."""
-        return session.sample_turn(
+        ids, logps = session.sample_turn(
             rows, max_new or self.max_turn_tokens, self.chat.eos_id, self.temperature, self.top_p
         )
+        self.generated_tokens += sum(map(len, ids))
+        return ids, logps
 
     def generate(self, contexts: list[list[int]], max_new: int | None = None):
         """One agent turn for each context, encoding the contexts afresh (the LLM roles' calls)."""
@@ -1035,13 +1147,17 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
     train_tasks = envs.env_tasks(cfg.env, cfg.train_split)
     test_tasks = envs.env_tasks(cfg.env, cfg.test_split)[: cfg.eval_tasks]
     task_rng = random.Random(cfg.seed)
+
+    def draw_tasks() -> list:
+        """This process's share of a batch of training tasks, drawn from the run's task order."""
+        return backend.my_tasks(task_rng.sample(train_tasks, cfg.batch_tasks))
+
     results = {}
-    first_step = 0
-    rti_steps = []  # each step's intervention counts, for the run's totals
+    progress = Progress()
     if cfg.resume:
-        first_step, rti_steps = load_checkpoint(backend, checkpoint, sampler, opt, task_rng)
-        log(f"resumed from {checkpoint} at step {first_step}")
-        truncate_metrics(metrics_path, first_step)  # the rows past the checkpoint come again
+        progress = load_checkpoint(backend, checkpoint, sampler, opt, task_rng)
+        log(f"resumed from {checkpoint} at step {progress.step}")
+        truncate_metrics(metrics_path, progress.step)  # the rows past the checkpoint come again
     else:
         truncate_metrics(metrics_path, 0)
         if cfg.eval_tasks and cfg.eval_before:
@@ -1050,34 +1166,35 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
             log_test(metrics_path, 0, results["before"])
 
     bar = tqdm(
-        range(first_step, cfg.steps),
+        range(progress.step, cfg.steps),
         desc=f"{cfg.method} training",
         disable=not (cfg.progress and main_process),
         file=sys.stderr,
     )
     for step in bar:
-        tasks = backend.my_tasks(task_rng.sample(train_tasks, cfg.batch_tasks))
+        tasks = draw_tasks()
         start = time.time()
         for group in opt.param_groups:  # a function of the step alone: --resume needs no state
             group["lr"] = learning_rate(step, cfg)
         step_seed = cfg.seed * envs.SEED_STRIDE + step
-        metrics = train_step(sampler, opt, tasks, cfg, seed=step_seed, backend=backend)
+        metrics = train_step(sampler, opt, tasks, cfg, step_seed, backend, draw_tasks)
         metrics["step"] = step + 1
         metrics["time/step"] = time.time() - start
+        progress.add(metrics)
+        metrics.update(progress.totals())
         evaluate_now = cfg.eval_every and (step + 1) % cfg.eval_every == 0
         if evaluate_now and cfg.eval_tasks and step + 1 < cfg.steps:
             summary = run_test(backend, sampler, test_tasks, cfg)[0]
             metrics.update({f"test/{k}": v for k, v in summary.items()})
-        rti_steps.append({k[4:]: v for k, v in metrics.items() if k.startswith("rti/")})
         append_metrics(metrics_path, metrics)
         bar.set_postfix(
             success=f"{metrics['train_success']:.2f}", loss=f"{metrics.get('loss', 0):.3f}"
         )
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps:
-            save_checkpoint(backend, checkpoint, sampler, opt, task_rng, step + 1, rti_steps, cfg)
+            save_checkpoint(backend, checkpoint, sampler, opt, task_rng, progress, cfg)
 
     if cfg.method == "rti":
-        results["interventions"] = evaluate.run_totals(rti_steps)
+        results["interventions"] = evaluate.run_totals(progress.rti_steps)
     if cfg.eval_tasks:
         results["after"], results["after_tasks"] = run_test(backend, sampler, test_tasks, cfg)
         log_test(metrics_path, cfg.steps, results["after"])
@@ -1159,27 +1276,54 @@ def log_test(path: Path | None, step: int, summary: dict) -> None:
     append_metrics(path, {"step": step, **{f"test/{k}": v for k, v in summary.items()}})
 
 
-def save_checkpoint(backend, path, sampler, opt, task_rng, step, rti_steps, cfg) -> None:
+@dataclass
+class Progress:
+    """What a run has done so far, kept in its checkpoint: the steps taken, each step's
+    intervention counts (for the run's statistics) and the compute spent."""
+
+    step: int = 0
+    rti_steps: list[dict] = field(default_factory=list)
+    episodes: int = 0  # rollout episodes and RTI's continuations of corrected ones
+    generated_tokens: int = 0  # tokens the policy sampled, in every role
+    train_seconds: float = 0.0  # time in training steps, evaluations left out
+
+    def add(self, metrics: dict) -> None:
+        """Count a finished step (train_step's metrics, with "step" and "time/step")."""
+        self.step = metrics["step"]
+        self.rti_steps.append({k[4:]: v for k, v in metrics.items() if k.startswith("rti/")})
+        self.episodes += metrics["sampled_episodes"] + metrics["continued_episodes"]
+        self.generated_tokens += metrics["generated_tokens"]
+        self.train_seconds += metrics["time/step"]
+
+    def totals(self) -> dict:
+        """The compute so far, as metrics: the x-axes of a comparison at matched compute."""
+        return {
+            "total/episodes": self.episodes,
+            "total/generated_tokens": self.generated_tokens,
+            "time/train_total": self.train_seconds,
+        }
+
+
+def save_checkpoint(backend, path, sampler, opt, task_rng, progress: Progress, cfg) -> None:
     """Everything --resume needs to continue the run as if it had never stopped: weights,
-    optimizer, the step, the task order's and sampling generators' states, the counts so far."""
+    optimizer, the progress, and the task order's and the sampling generators' states."""
     state = {
-        "step": step,
+        "progress": dataclasses.asdict(progress),
         "task_rng": task_rng.getstate(),
         "sample_rng": sampler.gen.get_state(),
         "torch_rng": torch.get_rng_state(),
-        "rti_steps": rti_steps,
         "config": dataclasses.asdict(cfg),
     }
     backend.save_checkpoint(path, sampler, opt, state)
 
 
-def load_checkpoint(backend, path, sampler, opt, task_rng) -> tuple[int, list[dict]]:
-    """Restore what save_checkpoint wrote; return (the step it was taken at, the counts so far)."""
+def load_checkpoint(backend, path, sampler, opt, task_rng) -> Progress:
+    """Restore what save_checkpoint wrote; return the run's progress."""
     state = backend.load_checkpoint(path, sampler, opt)
     task_rng.setstate(state["task_rng"])
     sampler.gen.set_state(state["sample_rng"])
     torch.set_rng_state(state["torch_rng"])
-    return state["step"], state.get("rti_steps", [])
+    return Progress(**state["progress"])
 
 
 # ----------------------------------------------------------------------------- flags
