@@ -1,5 +1,5 @@
-"""Metrics as in the paper: pass@k, pass^k and their averages over k = 1..4; the intervention statistics of its
-Table 6 (from intervene.intervene_batch's counts).
+"""Metrics as in the paper: pass@k, pass^k and their averages over k = 1..4; the intervention
+statistics of its Table 6 (from intervene.intervene_batch's counts).
 
 With n samples per task of which c succeed:
 
@@ -12,14 +12,16 @@ With n samples per task of which c succeed:
 
 from __future__ import annotations
 
+import math
 from math import comb
 
 K_MAX = 4  # the paper reports k = 1..4 with n = 4 samples per task
+# (metric key, column head): Table 1's columns, then Table 3's
 COLUMNS = (
     (("p@1", "p@1"), ("avg_p@k", "avg p@k"), ("avg_p^k", "avg p^k"))
     + tuple((f"pass@{k}", f"pass@{k}") for k in range(1, K_MAX + 1))
     + tuple((f"pass^{k}", f"pass^{k}") for k in range(1, K_MAX + 1))
-)  # Table 1 columns, then Table 3's
+)
 
 
 def _check(n: int, c: int, k: int) -> None:
@@ -59,10 +61,9 @@ def summarize(successes: list[list[bool]], k_max: int = K_MAX) -> dict[str, floa
     if not successes:
         raise ValueError("no tasks to summarize")
     n = len(successes[0])
-    if any(len(s) != n for s in successes):
-        raise ValueError(
-            f"every task needs the same number of samples; got {sorted({len(s) for s in successes})}"
-        )
+    sizes = sorted({len(s) for s in successes})
+    if len(sizes) > 1:
+        raise ValueError(f"every task needs the same number of samples; got {sizes}")
     if not 1 <= k_max <= n:
         raise ValueError(f"need 1 <= k_max <= n samples per task; got k_max={k_max} n={n}")
     counts = [sum(bool(x) for x in s) for s in successes]
@@ -96,7 +97,7 @@ def format_table(rows: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- intervention statistics (Table 6)
+# ----------------------------------------------------------------------------- Table 6
 
 RATES = {
     "trigger_rate": ("groups_triggered", "groups"),
@@ -113,23 +114,19 @@ RATES = {
 
 
 def intervention_rates(counts: dict) -> dict:
-    """The counts plus the rates and means of RATES, name -> (numerator, denominator), the figures of the paper's
-    Table 6 (NaN where the denominator is 0)."""
-    counts = {
-        **{k: 0 for pair in RATES.values() for k in pair},
-        **{k: v for k, v in counts.items() if k not in RATES},
-    }
-    return {
-        **counts,
-        **{
-            k: counts.get(a, 0) / counts[b] if counts.get(b) else float("nan")
-            for k, (a, b) in RATES.items()
-        },
-    }
+    """The counts plus the rates and means of RATES, name -> (numerator, denominator): the figures
+    of the paper's Table 6 (NaN where the denominator is 0). Counts the step lacks are 0; rates in
+    `counts` are taken again."""
+    out = {k: 0 for pair in RATES.values() for k in pair}
+    out.update({k: v for k, v in counts.items() if k not in RATES})
+    for name, (num, den) in RATES.items():
+        out[name] = out[num] / out[den] if out[den] else float("nan")
+    return out
 
 
 def run_totals(steps: list[dict]) -> dict:
-    """The statistics of a whole run from its steps' summaries: counts and sums add up, rates are taken again."""
+    """The statistics of a whole run from its steps' summaries: counts and sums add up, rates are
+    taken again."""
     total: dict = {}
     for st in steps:
         for k, v in st.items():
@@ -140,24 +137,43 @@ def run_totals(steps: list[dict]) -> dict:
 
 def intervention_report(s: dict) -> str:
     """The run's statistics in the rows of the paper's Table 6, then the gate's."""
-    n = lambda k: s.get(k, 0)  # noqa: E731
-    pct = lambda k: "n/a" if s[k] != s[k] else f"{100 * s[k]:.1f}%"  # noqa: E731
-    num = lambda k: "n/a" if s[k] != s[k] else f"{s[k]:.2f}"  # noqa: E731
     return "\n".join(
         [
-            f"rollout groups with intervention triggered: {n('groups_triggered')} / {n('groups')} ({pct('trigger_rate')})",
-            f"rollout steps flagged as invalid by the validator: {n('steps_flagged')} / {n('steps_checked')} "
-            f"({pct('flag_rate')})",
-            f"corrections accepted by the verifier: {n('corrections_accepted')} / {n('steps_flagged')} "
-            f"({pct('accept_rate')})",
-            f"corrections rejected by the verifier: {n('corrections_rejected')} / {n('steps_flagged')} "
-            f"({pct('reject_rate')}; {n('correction_attempts')} attempts)",
-            f"intervened trajectories with >= 1 accepted correction: {n('with_accepted')} / {n('intervened')} "
-            f"({pct('with_accepted_rate')}); of those successful: {n('corrected_successes')} "
-            f"({pct('corrected_success_rate')})",
-            f"avg. tool calls per trajectory (corrected vs. original, kept ones): {num('calls_corrected_mean')} vs. "
-            f"{num('calls_original_mean')}",
-            f"perplexity gate: kept {n('gate_kept')} (mean PPL {num('ppl_kept_mean')}), dropped {n('gate_dropped')} "
-            f"(mean PPL {num('ppl_dropped_mean')})",
+            f"rollout groups with intervention triggered: {_count(s, 'groups_triggered')} / "
+            f"{_count(s, 'groups')} ({_percent(s, 'trigger_rate')})",
+            f"rollout steps flagged as invalid by the validator: {_count(s, 'steps_flagged')} / "
+            f"{_count(s, 'steps_checked')} ({_percent(s, 'flag_rate')})",
+            f"corrections accepted by the verifier: {_count(s, 'corrections_accepted')} / "
+            f"{_count(s, 'steps_flagged')} ({_percent(s, 'accept_rate')})",
+            f"corrections rejected by the verifier: {_count(s, 'corrections_rejected')} / "
+            f"{_count(s, 'steps_flagged')} ({_percent(s, 'reject_rate')}; "
+            f"{_count(s, 'correction_attempts')} attempts)",
+            "intervened trajectories with >= 1 accepted correction: "
+            f"{_count(s, 'with_accepted')} / {_count(s, 'intervened')} "
+            f"({_percent(s, 'with_accepted_rate')}); "
+            f"of those successful: {_count(s, 'corrected_successes')} "
+            f"({_percent(s, 'corrected_success_rate')})",
+            "avg. tool calls per trajectory (corrected vs. original, kept ones): "
+            f"{_number(s, 'calls_corrected_mean')} vs. {_number(s, 'calls_original_mean')}",
+            f"perplexity gate: kept {_count(s, 'gate_kept')} "
+            f"(mean PPL {_number(s, 'ppl_kept_mean')}), dropped {_count(s, 'gate_dropped')} "
+            f"(mean PPL {_number(s, 'ppl_dropped_mean')})",
         ]
     )
+
+
+def _count(stats: dict, key: str):
+    """A count of the report; 0 when the run has none."""
+    return stats.get(key, 0)
+
+
+def _percent(stats: dict, key: str) -> str:
+    """A rate of the report as a percentage; n/a where it is NaN (a zero denominator)."""
+    rate = stats[key]
+    return "n/a" if math.isnan(rate) else f"{100 * rate:.1f}%"
+
+
+def _number(stats: dict, key: str) -> str:
+    """A mean of the report with 2 decimals; n/a where it is NaN (a zero denominator)."""
+    mean = stats[key]
+    return "n/a" if math.isnan(mean) else f"{mean:.2f}"

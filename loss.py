@@ -3,22 +3,24 @@ aggregation. Pure tensor functions; imports torch only (no model, no env).
 
 Shapes: B rows (trajectories) x T token positions. logp, old_logp, behavior_logp, ref_logp,
 source, loss_mask are [B, T]; advantages [B] (one per row) or [B, T].
-  loss_mask  1 on tokens the agent produced (trained), 0 on prompt / environment / padding.
-  source     POLICY (0) or INTERVENED (1): who wrote the token (policy, or the corrector).
-  old_logp   log pi_old of each token, scored by the policy WITHOUT the rubric in context.
+  loss_mask      1 on tokens the agent produced (trained), 0 on prompt / environment / padding.
+  source         POLICY (0) or INTERVENED (1): who wrote the token (the policy or the corrector).
+  old_logp       log pi_old of each token, scored by the policy WITHOUT the rubric in context.
   behavior_logp  log mu: the corrector's log-prob when it wrote the token (rubric in context).
-Formulas marked "our reading" are not printed in the RTI paper (the README's method table lists them).
+Formulas marked "our reading" are not printed in the RTI paper (the README's method table lists
+them).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
 
-POLICY, INTERVENED = 0, 1
+POLICY = 0
+INTERVENED = 1
 IS_MODES = ("calibrated", "behavior", "luffy")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 RATIO_LEVELS = ("token", "sequence")
@@ -27,30 +29,81 @@ LOG_RATIO_CLAMP = 20.0  # as verl: |log ratio| <= 20 keeps exp() finite, so back
 
 @dataclass
 class LossConfig:
-    """Flags of this file's functions. w_min / w_max / luffy_gamma defaults are our choice (the
-    paper prints none for the weights); __post_init__ raises ValueError("field: why") for a bad one."""
+    """Flags of this file's functions. __post_init__ raises ValueError("field: why, got X") for a
+    bad value."""
 
-    clip_low: float = 0.2  # eps_lo; DAPO-style asymmetric clip
-    clip_high: float = 0.28  # eps_hi
-    is_mode: str = "calibrated"  # "calibrated" | "behavior" | "luffy": ratio of INTERVENED tokens
-    reweight: bool = True  # False = the paper's "w/o reweight" ablation: w_t = 1
-    w_min: float = 0.2
-    w_max: float = 3.0
-    luffy_gamma: float = 0.1
-    kl_coef: float = 0.0  # k3 KL to a reference policy
-    agg: str = "token-mean"  # "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum-norm"
-    ratio_level: str = "token"  # "token" (GRPO/PPO) | "sequence" (GSPO)
-    max_len: int | None = None  # normaliser of seq-mean-token-sum-norm; None = T of the batch
-    scale_advantages: bool = True  # group_advantages: divide by the group's std (False: Dr. GRPO)
+    clip_low: float = field(
+        default=0.2,
+        metadata={"help": "eps_lo: the ratio is clipped below at 1 - clip_low (DAPO-style)."},
+    )
+    clip_high: float = field(
+        default=0.28,
+        metadata={"help": "eps_hi: the ratio is clipped above at 1 + clip_high (DAPO-style)."},
+    )
+    is_mode: str = field(
+        default="calibrated",
+        metadata={
+            "help": "Importance ratio of INTERVENED tokens: calibrated = pi / pi_old, anchored on"
+            " the policy's own no-rubric prob (and weighted, see reweight); behavior = the naive"
+            " pi / mu; luffy = LUFFY's p / (p + luffy_gamma), unclipped.",
+            "choices": IS_MODES,
+        },
+    )
+    reweight: bool = field(
+        default=True,
+        metadata={
+            "help": "Calibrated token weights on INTERVENED tokens (is_mode calibrated); off ="
+            ' the paper\'s "w/o reweight" ablation, every weight 1.'
+        },
+    )
+    w_min: float = field(
+        default=0.2,
+        metadata={"help": "Lower clip of the token weights (our choice: the paper prints none)."},
+    )
+    w_max: float = field(
+        default=3.0,
+        metadata={"help": "Upper clip of the token weights (our choice: the paper prints none)."},
+    )
+    luffy_gamma: float = field(
+        default=0.1,
+        metadata={"help": "gamma of is_mode luffy's shaping p / (p + gamma) (our choice)."},
+    )
+    kl_coef: float = field(
+        default=0.0,
+        metadata={"help": "Weight of the k3 KL to the reference policy in the loss; 0 = no KL."},
+    )
+    agg: str = field(
+        default="token-mean",
+        metadata={
+            "help": "How the per-token loss becomes a scalar: token-mean = the mean over all"
+            " trained tokens; seq-mean-token-mean = the mean of the rows' means;"
+            " seq-mean-token-sum-norm = the sum over B * max_len (Dr. GRPO).",
+            "choices": AGG_MODES,
+        },
+    )
+    ratio_level: str = field(
+        default="token",
+        metadata={
+            "help": "token = one ratio per token (GRPO/PPO); sequence = one per row, the geometric"
+            " mean of its token ratios (GSPO).",
+            "choices": RATIO_LEVELS,
+        },
+    )
+    max_len: int | None = field(
+        default=None,
+        metadata={"help": "Normaliser of agg seq-mean-token-sum-norm; none = the batch's T."},
+    )
+    scale_advantages: bool = field(
+        default=True,
+        metadata={"help": "Divide advantages by the group's std (GRPO); off = Dr. GRPO."},
+    )
 
     def __post_init__(self):
-        for name, choices in (
-            ("is_mode", IS_MODES),
-            ("agg", AGG_MODES),
-            ("ratio_level", RATIO_LEVELS),
-        ):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name}: must be one of {choices}, got {getattr(self, name)!r}")
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices is not None and value not in choices:
+                raise ValueError(f"{f.name}: must be one of {choices}, got {value!r}")
         checks = (
             ("clip_low", 0 <= self.clip_low <= 1, "must be in [0, 1]"),
             ("clip_high", 0 <= self.clip_high < math.inf, "must be finite and >= 0"),
@@ -88,7 +141,8 @@ def group_advantages(
     if not torch.isfinite(rewards).all():
         raise ValueError("rewards contains NaN or inf")
     r = rewards.detach().view(-1, group_size)
-    r = r if r.is_floating_point() else r.float()
+    if not r.is_floating_point():
+        r = r.float()
     adv = r - r.mean(-1, keepdim=True)
     if scale and group_size > 1:
         adv = adv / (r.std(-1, keepdim=True) + eps)
@@ -97,7 +151,8 @@ def group_advantages(
 
 
 def group_rows(group_ids: list) -> dict:
-    """Group id -> the rows of that group, groups in order of first appearance: [0, 1, 0] -> {0: [0, 2], 1: [1]}."""
+    """Group id -> the rows of that group, groups in order of first appearance:
+    [0, 1, 0] -> {0: [0, 2], 1: [1]}."""
     rows: dict = {}
     for i, g in enumerate(group_ids):
         rows.setdefault(g, []).append(i)
@@ -105,12 +160,12 @@ def group_rows(group_ids: list) -> dict:
 
 
 def advantages_by_group(rewards: Tensor, group_ids: list, scale: bool = True) -> Tensor:
-    """group_advantages for groups of any size: rows with the same id form a group, wherever they are (paired RTI
-    enlarges a triggered group with its corrections). Example: ids [0, 0, 0, 0, 1, 1], rewards [0, 0, 1, 1, 1, 1]
-    -> group 0 as group_advantages(rewards[:4], 4), group 1 zero spread: A [-.866, -.866, .866, .866, 0, 0]."""
-    adv = torch.zeros_like(
-        rewards, dtype=rewards.dtype if rewards.is_floating_point() else torch.float32
-    )
+    """group_advantages for groups of any size: rows with the same id form a group, wherever they
+    are (paired RTI enlarges a triggered group with its corrections). Example: ids
+    [0, 0, 0, 0, 1, 1], rewards [0, 0, 1, 1, 1, 1] -> group 0 as group_advantages(rewards[:4], 4),
+    group 1 zero spread: A [-.866, -.866, .866, .866, 0, 0]."""
+    dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    adv = torch.zeros_like(rewards, dtype=dtype)
     for rows in group_rows(group_ids).values():
         adv[rows] = group_advantages(rewards[rows], len(rows), scale=scale)
     return adv
@@ -149,7 +204,7 @@ def importance_ratios(
     old_logp: Tensor,
     source: Tensor | None = None,
     behavior_logp: Tensor | None = None,
-    config: LossConfig = LossConfig(),
+    config: LossConfig | None = None,
     loss_mask: Tensor | None = None,
 ) -> Tensor:
     """Per-token ratio rho_t used in the surrogate, [B, T] (token weights NOT included).
@@ -158,13 +213,15 @@ def importance_ratios(
                  reading: anchored on the policy's own no-rubric prob, so rho_t starts at 1)
       l_t = clamp(logp_t - anchor_t, -20, 20)
       token level:     rho_t = exp(l_t)
-      sequence (GSPO): s_i = exp(sum_t m_t l_t / sum_t m_t),  rho_t = sg(s_i) * exp(logp_t - sg(logp_t))
-                       (value s_i for every token of row i, gradient per token; m = loss_mask)
+      sequence (GSPO): s_i = exp(sum_t m_t l_t / sum_t m_t)  (m = loss_mask)
+                       rho_t = sg(s_i) * exp(logp_t - sg(logp_t))
+                       (value s_i for every token of row i, gradient per token)
       is_mode "luffy", INTERVENED tokens: rho_t := f_t = p_t / (p_t + gamma), p_t = exp(logp_t),
                        computed as sigmoid(logp_t - log gamma); the surrogate uses it unclipped.
     source None = all POLICY; behavior_logp None = zeros (a deterministic corrector, log mu = 0);
-    loss_mask None = all trained (only the sequence level uses it).
+    config None = LossConfig(); loss_mask None = all trained (only the sequence level uses it).
     """
+    config = LossConfig() if config is None else config
     inter = torch.zeros_like(logp, dtype=torch.bool) if source is None else source == INTERVENED
     anchor = old_logp.detach()
     if config.is_mode == "behavior":
@@ -175,9 +232,8 @@ def importance_ratios(
         rho = torch.exp(log_ratio)
     else:
         m = torch.ones_like(logp) if loss_mask is None else loss_mask.to(logp.dtype)
-        log_s = torch.where(m != 0, log_ratio, 0.0).sum(-1, keepdim=True) / m.sum(
-            -1, keepdim=True
-        ).clamp(min=1)
+        row_sum = torch.where(m != 0, log_ratio, 0.0).sum(-1, keepdim=True)
+        log_s = row_sum / m.sum(-1, keepdim=True).clamp(min=1)
         rho = torch.exp(log_s.detach() + (logp - logp.detach()))  # value exactly s_i
     if config.is_mode == "luffy":
         rho = torch.where(inter, torch.sigmoid(logp - math.log(config.luffy_gamma)), rho)
@@ -200,35 +256,37 @@ def aggregate(
         raise ValueError(f"unknown aggregation mode {mode!r}; valid choices: {AGG_MODES}")
     if loss_mat.shape != loss_mask.shape:
         raise ValueError(
-            f"loss_mat has shape {tuple(loss_mat.shape)} but loss_mask has shape {tuple(loss_mask.shape)}"
+            f"loss_mat has shape {tuple(loss_mat.shape)} "
+            f"but loss_mask has shape {tuple(loss_mask.shape)}"
         )
     m = loss_mask.to(loss_mat.dtype)
-    masked = torch.where(
-        m != 0, loss_mat * m, torch.zeros_like(loss_mat)
-    )  # masked inf/NaN never leak
+    # where, not only the product: inf / NaN at masked positions never leak
+    masked = torch.where(m != 0, loss_mat * m, torch.zeros_like(loss_mat))
     if mode == "token-mean":
         return masked.sum() / m.sum().clamp(min=1)
     if mode == "seq-mean-token-mean":
         n = m.sum(-1)
         row_mean = masked.sum(-1) / n.clamp(min=1)
         return (row_mean * (n > 0)).sum() / (n > 0).sum().clamp(min=1)
-    T = loss_mat.shape[-1] if max_len is None else max_len
-    return masked.sum() / (loss_mat.shape[0] * T)
+    if max_len is None:
+        max_len = loss_mat.shape[-1]
+    return masked.sum() / (loss_mat.shape[0] * max_len)
 
 
 def _validate(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_logp, config):
+    """Raise ValueError naming the input that does not fit policy_loss (shape, codes, NaN/inf)."""
     if not isinstance(config, LossConfig):
         raise ValueError(f"config must be a LossConfig, got {type(config).__name__}")
     if logp.dim() != 2:
         raise ValueError(f"logp must be 2-D [B, T], got shape {tuple(logp.shape)}")
-    named = {
+    same_shape = {
         "old_logp": old_logp,
         "loss_mask": loss_mask,
         "source": source,
         "behavior_logp": behavior_logp,
         "ref_logp": ref_logp,
     }
-    for name, t in named.items():
+    for name, t in same_shape.items():
         if t is not None and t.shape != logp.shape:
             raise ValueError(
                 f"logp has shape {tuple(logp.shape)} but {name} has shape {tuple(t.shape)}"
@@ -247,12 +305,13 @@ def _validate(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_
     if not torch.isfinite(advantages).all():
         raise ValueError("advantages contains NaN or inf")
     trained = loss_mask != 0
-    for name, t in {
+    log_probs = {
         "logp": logp,
         "old_logp": old_logp,
         "behavior_logp": behavior_logp,
         "ref_logp": ref_logp,
-    }.items():
+    }
+    for name, t in log_probs.items():
         if t is None:
             continue
         if torch.isnan(t).any() or (t == math.inf).any():
@@ -269,42 +328,40 @@ def policy_loss(
     source: Tensor | None = None,
     behavior_logp: Tensor | None = None,
     ref_logp: Tensor | None = None,
-    config: LossConfig = LossConfig(),
+    config: LossConfig | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate with calibrated importance weights; returns (scalar loss, metrics).
-      loss_t = -w_t * min(rho_t A, clip(rho_t, 1 - clip_low, 1 + clip_high) A)   (rho_t, f_t from
-               importance_ratios; w_t from token_weights on INTERVENED tokens when is_mode is
-               "calibrated" and reweight, else 1. w_t > 0 sits outside the min: the clip decision
-               is made on rho_t alone, w_t scales the token's update; this is our reading of
-               the weighted ratio rho~ = rho * w)
+      loss_t = -w_t * min(rho_t A, clip(rho_t, 1 - clip_low, 1 + clip_high) A)
+               (rho_t, f_t from importance_ratios; w_t from token_weights on INTERVENED tokens
+               when is_mode is "calibrated" and reweight, else 1. w_t > 0 sits outside the min:
+               the clip decision is made on rho_t alone, w_t scales the token's update; this is
+               our reading of the weighted ratio rho~ = rho * w)
       loss_t = -f_t A                    INTERVENED tokens under is_mode "luffy" (no clip, w = 1)
       loss_t += kl_coef * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)   k3 KL, when kl_coef > 0
       loss = aggregate(loss_t, loss_mask, config.agg, config.max_len)
     Example, 1x3, A = 1, source [P, I, I], rho [1.5, 1.0, 0.9], exp(delta) on I [1, 3]:
       w [1, .5, 1.5]; loss_t [-1.28, -0.5, -1.35]; token-mean -1.0433.
-    Inputs: see the module docstring. NaN and +inf are rejected everywhere, -inf is allowed only
-    where loss_mask is 0 (ValueError naming the tensor); masked positions are replaced by 0 before
-    any arithmetic, so their logp gradient is exactly 0. old/behavior/ref/advantages are detached.
-    Metrics (python floats, over trained tokens): clip_frac (clip active for the sign of A:
-    A > 0 and rho > 1 + clip_high, or A < 0 and rho < 1 - clip_low), ratio_min/mean/max (tokens
-    with a clipped surrogate, i.e. not luffy ones; 1.0 if none), naive_ratio_out_of_clip
-    (trained INTERVENED tokens whose exp(logp - log mu) lies outside [1 - clip_low, 1 + clip_high];
-    0.0 if none), weight_mean/max (w_t on trained INTERVENED tokens; 1.0 if none), approx_kl
-    (k3 estimate of KL(pi_old || pi_theta): mean of exp(l) - 1 - l, l = logp - old_logp),
-    ref_kl (mean k3 to the reference; 0.0 without ref_logp), intervened_frac; and per source (policy/...,
-    intervened/...: tokens of that source with a clipped surrogate) ratio_mean/min/max and clip_frac.
+    Inputs: see the module docstring; config None = LossConfig(). NaN and +inf are rejected
+    everywhere, -inf is allowed only where loss_mask is 0 (ValueError naming the tensor); masked
+    positions are replaced by 0 before any arithmetic, so their logp gradient is exactly 0.
+    old/behavior/ref/advantages are detached. The metrics are loss_metrics'.
     """
+    config = LossConfig() if config is None else config
     _validate(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_logp, config)
     trained = loss_mask != 0
     zeros = torch.zeros_like(logp)
-    clean = lambda t: torch.where(trained, t.detach().to(logp.dtype), zeros)  # noqa: E731
+
+    def clean(t: Tensor) -> Tensor:  # detached, in logp's dtype, 0 at masked positions
+        return torch.where(trained, t.detach().to(logp.dtype), zeros)
+
     logp = torch.where(trained, logp, zeros)  # grad 0 at masked positions, no NaN from -inf there
     old = clean(old_logp)
     beh = zeros if behavior_logp is None else clean(behavior_logp)
     src = torch.full_like(logp, POLICY, dtype=torch.long) if source is None else source.long()
     inter = (src == INTERVENED) & trained
     adv = advantages.detach().to(logp.dtype)
-    adv = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1).expand_as(logp)
 
     rho = importance_ratios(logp, old, src, beh, config, loss_mask=trained)
     if config.is_mode == "calibrated" and config.reweight:
@@ -315,49 +372,91 @@ def policy_loss(
     loss_mat = -w * torch.minimum(rho * adv, rho_clip * adv)
     luffy = inter & (config.is_mode == "luffy")
     loss_mat = torch.where(luffy, -rho * adv, loss_mat)
+    ref_kl = None
     if ref_logp is not None:
         d = (clean(ref_logp) - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         ref_kl = torch.exp(d) - d - 1
         if config.kl_coef > 0:
             loss_mat = loss_mat + config.kl_coef * ref_kl
     loss = aggregate(loss_mat, trained, config.agg, config.max_len)
-
-    with torch.no_grad():
-        n = trained.sum().clamp(min=1).item()
-
-        def mean(x, sel, empty):
-            return x[sel].mean().item() if sel.any() else empty
-
-        clipped = ((adv > 0) & (rho > 1 + config.clip_high)) | (
-            (adv < 0) & (rho < 1 - config.clip_low)
-        )
-        ratio_tok = trained & ~luffy
-        naive = (logp - beh)[inter]  # log of the naive ratio pi_theta / mu
-        lo = math.log(1 - config.clip_low) if config.clip_low < 1 else -math.inf
-        out = (naive < lo) | (naive > math.log(1 + config.clip_high))
-        lr = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        metrics = {
-            "clip_frac": (clipped & ratio_tok).sum().item() / n,
-            "ratio_min": rho[ratio_tok].min().item() if ratio_tok.any() else 1.0,
-            "ratio_mean": mean(rho, ratio_tok, 1.0),
-            "ratio_max": rho[ratio_tok].max().item() if ratio_tok.any() else 1.0,
-            "naive_ratio_out_of_clip": out.double().mean().item() if out.numel() else 0.0,
-            "weight_mean": mean(w, inter, 1.0),
-            "weight_max": w[inter].max().item() if inter.any() else 1.0,
-            "approx_kl": mean(torch.exp(lr) - 1 - lr, trained, 0.0),
-            "ref_kl": mean(ref_kl, trained, 0.0) if ref_logp is not None else 0.0,
-            "intervened_frac": inter.sum().item() / n,
-        }
-        for name, sel in (
-            ("policy", ratio_tok & ~inter),
-            ("intervened", ratio_tok & inter),
-        ):  # by source
-            metrics.update(
-                {
-                    f"{name}/ratio_mean": mean(rho, sel, 1.0),
-                    f"{name}/ratio_min": rho[sel].min().item() if sel.any() else 1.0,
-                    f"{name}/ratio_max": rho[sel].max().item() if sel.any() else 1.0,
-                    f"{name}/clip_frac": (clipped & sel).sum().item() / max(1, sel.sum().item()),
-                }
-            )
+    metrics = loss_metrics(rho, w, adv, logp, old, beh, ref_kl, trained, inter, config)
     return loss, metrics
+
+
+@torch.no_grad()
+def loss_metrics(
+    rho: Tensor,
+    w: Tensor,
+    adv: Tensor,
+    logp: Tensor,
+    old: Tensor,
+    beh: Tensor,
+    ref_kl: Tensor | None,
+    trained: Tensor,
+    inter: Tensor,
+    config: LossConfig,
+) -> dict[str, float]:
+    """policy_loss's metrics (python floats), from its tensors: ratios rho, weights w, advantages
+    adv, logp / old / beh (log pi_theta, pi_old, mu; 0 where not trained), the per-token k3
+    ref_kl (None without ref_logp), and the bool masks trained and inter (trained INTERVENED).
+      clip_frac        trained tokens with a clipped surrogate whose clip is active for the sign
+                       of A (A > 0 and rho > 1 + clip_high, or A < 0 and rho < 1 - clip_low),
+                       over the trained tokens
+      ratio_min/mean/max  rho over tokens with a clipped surrogate (not luffy ones); 1.0 if none
+      naive_ratio_out_of_clip  share of trained INTERVENED tokens whose naive ratio
+                       exp(logp - log mu) lies outside [1 - clip_low, 1 + clip_high]; 0.0 if none
+      weight_mean/max  w_t on trained INTERVENED tokens; 1.0 if none
+      approx_kl        k3 estimate of KL(pi_old || pi_theta): mean of exp(l) - 1 - l,
+                       l = logp - old_logp; 0.0 if no trained token
+      ref_kl           mean k3 to the reference; 0.0 without ref_logp
+      intervened_frac  share of the trained tokens that are INTERVENED
+      policy/..., intervened/...  ratio_mean/min/max (1.0 if none) and clip_frac over the tokens
+                       of that source with a clipped surrogate
+    """
+    luffy = inter & (config.is_mode == "luffy")
+    ratio_tok = trained & ~luffy  # tokens with a clipped surrogate
+    clip_hi = (adv > 0) & (rho > 1 + config.clip_high)
+    clip_lo = (adv < 0) & (rho < 1 - config.clip_low)
+    clipped = clip_hi | clip_lo
+    naive = logp - beh  # log of the naive ratio pi_theta / mu
+    log_lo = math.log(1 - config.clip_low) if config.clip_low < 1 else -math.inf
+    outside = (naive < log_lo) | (naive > math.log(1 + config.clip_high))
+    lr = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    metrics = {
+        "clip_frac": _share(clipped & ratio_tok, trained),
+        "ratio_min": _min_over(rho, ratio_tok, 1.0),
+        "ratio_mean": _mean_over(rho, ratio_tok, 1.0),
+        "ratio_max": _max_over(rho, ratio_tok, 1.0),
+        "naive_ratio_out_of_clip": _mean_over(outside.double(), inter, 0.0),
+        "weight_mean": _mean_over(w, inter, 1.0),
+        "weight_max": _max_over(w, inter, 1.0),
+        "approx_kl": _mean_over(torch.exp(lr) - 1 - lr, trained, 0.0),
+        "ref_kl": 0.0 if ref_kl is None else _mean_over(ref_kl, trained, 0.0),
+        "intervened_frac": _share(inter, trained),
+    }
+    for name, sel in (("policy", ratio_tok & ~inter), ("intervened", ratio_tok & inter)):
+        metrics[f"{name}/ratio_mean"] = _mean_over(rho, sel, 1.0)
+        metrics[f"{name}/ratio_min"] = _min_over(rho, sel, 1.0)
+        metrics[f"{name}/ratio_max"] = _max_over(rho, sel, 1.0)
+        metrics[f"{name}/clip_frac"] = _share(clipped & sel, sel)
+    return metrics
+
+
+def _mean_over(x: Tensor, sel: Tensor, empty: float) -> float:
+    """Mean of x at the positions sel; `empty` when sel selects none."""
+    return x[sel].mean().item() if sel.any() else empty
+
+
+def _min_over(x: Tensor, sel: Tensor, empty: float) -> float:
+    """Smallest x at the positions sel; `empty` when sel selects none."""
+    return x[sel].min().item() if sel.any() else empty
+
+
+def _max_over(x: Tensor, sel: Tensor, empty: float) -> float:
+    """Largest x at the positions sel; `empty` when sel selects none."""
+    return x[sel].max().item() if sel.any() else empty
+
+
+def _share(hit: Tensor, among: Tensor) -> float:
+    """Count of hit over count of among (at least 1)."""
+    return hit.sum().item() / max(1, among.sum().item())

@@ -10,6 +10,7 @@ genuine token sequences.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 import re
@@ -978,6 +979,44 @@ def test_unknown_role_names_are_refused():
     for field in ("validator", "corrector", "verifier"):
         with pytest.raises(ValueError, match=f"{field}: must be one of"):
             RTIConfig(**{field: "oracle"})
+
+
+def test_config_fields_carry_their_help_and_choices():
+    """The trainer's parser reads metadata["help"], metadata.get("choices") and the type string;
+    __post_init__ checks the same choices."""
+    fields = {f.name: f for f in dataclasses.fields(RTIConfig)}
+    for name, f in fields.items():
+        assert isinstance(f.metadata.get("help"), str) and f.metadata["help"].strip(), name
+    choices = {name: f.metadata["choices"] for name, f in fields.items() if "choices" in f.metadata}
+    assert choices == {
+        "validator": ("rubric", "llm"),
+        "corrector": ("self", "rule"),
+        "verifier": ("rubric", "llm", "none"),
+        "group_mode": ("paired", "replace"),
+        "gate_scope": intervene.GATE_SCOPES,
+    }
+    assert choices["validator"] == tuple(intervene.VALIDATORS)
+    assert choices["corrector"] == tuple(intervene.CORRECTORS)
+    assert choices["verifier"] == tuple(intervene.VERIFIERS)
+    assert {name: f.type for name, f in fields.items()} == {
+        "validator": "str",
+        "corrector": "str",
+        "verifier": "str",
+        "group_mode": "str",
+        "intervene_per_group": "int",
+        "ppl_gate": "bool",
+        "ppl_max": "float",
+        "gate_scope": "str",
+        "correction_tries": "int",
+        "max_corrections": "int",
+    }
+    for name, allowed in choices.items():
+        assert getattr(RTIConfig(), name) in allowed
+        for value in allowed:
+            assert getattr(RTIConfig(**{name: value}), name) == value
+        message = f"{name}: must be one of {sorted(allowed)}, got 'other'"
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+            RTIConfig(**{name: "other"})
 
 
 def test_config_from_trainer_flags():

@@ -1,5 +1,6 @@
 """Tests for loss.py: hand-computed values, a plain-loop reference, gradients, edge cases."""
 
+import dataclasses
 import itertools
 import math
 import os
@@ -10,19 +11,21 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from loss import (
+    AGG_MODES,
     INTERVENED,
+    IS_MODES,
     POLICY,
+    RATIO_LEVELS,
     LossConfig,
     advantages_by_group,
     aggregate,
-    group_advantages,  # noqa: E402
+    group_advantages,
     group_rows,
     importance_ratios,
     policy_loss,
     token_weights,
 )
 
-P, I = POLICY, INTERVENED
 LN = math.log
 
 
@@ -116,7 +119,7 @@ def _calibrated_case():
     old = t([[LN(0.5), LN(0.4), LN(0.3)]])
     logp = leaf(old + t([[LN(1.5), LN(1.0), LN(0.9)]]))  # rho = [1.5, 1.0, 0.9]
     beh = old + t([[0.0, 0.0, LN(3.0)]])  # weights on I: [0.5, 1.5]
-    return logp, old, beh, torch.tensor([[P, I, I]])
+    return logp, old, beh, torch.tensor([[POLICY, INTERVENED, INTERVENED]])
 
 
 def test_calibrated_hand_value_and_grad():
@@ -149,7 +152,13 @@ def test_behavior_mode_hand_value():
     # -min(-rho, -clip(rho)) = [0.8, 0.8, 1.2]
     cfg = LossConfig(is_mode="behavior")
     loss, m = policy_loss(
-        logp, old, t([-1.0]), torch.ones(1, 3), torch.tensor([[P, I, I]]), beh, config=cfg
+        logp,
+        old,
+        t([-1.0]),
+        torch.ones(1, 3),
+        torch.tensor([[POLICY, INTERVENED, INTERVENED]]),
+        beh,
+        config=cfg,
     )
     assert loss.item() == pytest.approx(2.8 / 3, rel=1e-12)
     assert m["clip_frac"] == pytest.approx(2 / 3)
@@ -164,16 +173,18 @@ def test_behavior_mode_reproduces_naive_ratio():
     old, logp, beh = (torch.randn(3, 6, generator=g, dtype=torch.float64) - 1 for _ in range(3))
     src = (torch.rand(3, 6, generator=g) < 0.5).long()
     rho = importance_ratios(logp, old, src, beh, LossConfig(is_mode="behavior"))
-    expect = torch.where(src == I, torch.exp(logp - beh), torch.exp(logp - old))
+    expect = torch.where(src == INTERVENED, torch.exp(logp - beh), torch.exp(logp - old))
     assert torch.allclose(rho, expect, rtol=1e-12)
-    assert (src == I).any() and (src == P).any()
+    assert (src == INTERVENED).any() and (src == POLICY).any()
 
 
 def test_luffy_hand_value_and_grad():
     logp = leaf(t([[LN(0.5), LN(0.4)]]))
     old = t([[LN(0.5), LN(0.9)]])  # policy rho = 1; old ignored for luffy token
     cfg = LossConfig(is_mode="luffy", luffy_gamma=0.1)
-    loss, m = policy_loss(logp, old, t([2.0]), torch.ones(1, 2), torch.tensor([[P, I]]), config=cfg)
+    loss, m = policy_loss(
+        logp, old, t([2.0]), torch.ones(1, 2), torch.tensor([[POLICY, INTERVENED]]), config=cfg
+    )
     # f = .4 / (.4 + .1) = .8; loss_t = [-2, -1.6]; df/dlogp = p g / (p + g)^2 = .04 / .25 = .16
     assert loss.item() == pytest.approx(-1.8, rel=1e-12)
     loss.backward()
@@ -248,20 +259,19 @@ def loop_loss(logp, old, adv, mask, src, beh, ref, cfg):
     rows = []
     for i in range(B):
         tr = [k for k in range(T) if mask[i, k] > 0]
-        inter = [k for k in tr if src[i, k] == I]
+        inter = [k for k in tr if src[i, k] == INTERVENED]
         w = {k: 1.0 for k in tr}
         if cfg.is_mode == "calibrated" and cfg.reweight and inter:
             e = {k: math.exp(beh[i, k].item() - old[i, k].item()) for k in inter}
             avg = sum(e.values()) / len(e)
             w.update({k: min(max(e[k] / avg, cfg.w_min), cfg.w_max) for k in inter})
 
-        def anchor(k):
-            return (
-                beh[i, k].item() if (cfg.is_mode == "behavior" and k in inter) else old[i, k].item()
-            )
-
+        anchor = {
+            k: beh[i, k].item() if (cfg.is_mode == "behavior" and k in inter) else old[i, k].item()
+            for k in tr
+        }
         if tr:
-            s = math.exp(sum(logp[i, k].item() - anchor(k) for k in tr) / len(tr))
+            s = math.exp(sum(logp[i, k].item() - anchor[k] for k in tr) / len(tr))
         row = []
         for k in tr:
             a = adv[i, k].item() if adv.dim() == 2 else adv[i].item()
@@ -270,7 +280,7 @@ def loop_loss(logp, old, adv, mask, src, beh, ref, cfg):
                 term = -(p / (p + cfg.luffy_gamma)) * a
             else:
                 if cfg.ratio_level == "token":
-                    rho = torch.exp(logp[i, k] - anchor(k))
+                    rho = torch.exp(logp[i, k] - anchor[k])
                 else:
                     rho = s * torch.exp(logp[i, k] - logp[i, k].detach())
                 r = rho.item()
@@ -295,7 +305,10 @@ def loop_loss(logp, old, adv, mask, src, beh, ref, cfg):
 
 def _random_batch(seed, B=4, T=5):
     g = torch.Generator().manual_seed(seed)
-    rn = lambda: torch.randn(B, T, generator=g, dtype=torch.float64)  # noqa: E731
+
+    def rn():
+        return torch.randn(B, T, generator=g, dtype=torch.float64)
+
     old = -1.5 + 0.5 * rn()
     logp = (old + 0.3 * rn()).clamp(max=-0.01)
     beh = (old + 1.5 * rn()).clamp(max=0.0)
@@ -304,7 +317,7 @@ def _random_batch(seed, B=4, T=5):
     mask = (torch.rand(B, T, generator=g) < 0.8).double()
     mask[1] = 0.0  # an empty row
     mask[0, 0] = 1.0
-    src[0, 0] = I
+    src[0, 0] = INTERVENED
     adv = torch.randn(B, generator=g, dtype=torch.float64)
     return logp, old, adv, mask, src, beh, ref
 
@@ -511,6 +524,40 @@ def test_neg_inf_rejected_on_trained_token_and_other_bad_input():
 def test_config_validation(field, value, pattern):
     with pytest.raises(ValueError, match=pattern):
         LossConfig(**{field: value})
+
+
+def test_config_fields_carry_their_help_and_choices():
+    """The trainer's parser reads metadata["help"], metadata.get("choices") and the type string."""
+    fields = {f.name: f for f in dataclasses.fields(LossConfig)}
+    for name, f in fields.items():
+        assert isinstance(f.metadata.get("help"), str) and f.metadata["help"].strip(), name
+    assert {
+        name: f.metadata.get("choices") for name, f in fields.items() if f.metadata.get("choices")
+    } == {
+        "is_mode": IS_MODES,
+        "agg": AGG_MODES,
+        "ratio_level": RATIO_LEVELS,
+    }
+    assert {name: f.type for name, f in fields.items()} == {
+        "clip_low": "float",
+        "clip_high": "float",
+        "is_mode": "str",
+        "reweight": "bool",
+        "w_min": "float",
+        "w_max": "float",
+        "luffy_gamma": "float",
+        "kl_coef": "float",
+        "agg": "str",
+        "ratio_level": "str",
+        "max_len": "int | None",
+        "scale_advantages": "bool",
+    }
+    for name in ("is_mode", "agg", "ratio_level"):
+        assert getattr(LossConfig(), name) in fields[name].metadata["choices"]
+        for value in fields[name].metadata["choices"]:
+            assert getattr(LossConfig(**{name: value}), name) == value
+        with pytest.raises(ValueError, match=f"^{name}: must be one of"):
+            LossConfig(**{name: "other"})
 
 
 def test_aggregate_unknown_mode_lists_choices():
