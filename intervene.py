@@ -267,25 +267,25 @@ class RTIConfig:
     validator: str = field(
         default="rubric",
         metadata={
-            "help": "Who checks each step against the rubric: rubric = the environment's own step"
-            " check; llm = the policy prompted with the rubric.",
+            "help": "who checks each step against the rubric: rubric = the environment's own step"
+            " check; llm = the policy prompted with the rubric",
             "choices": tuple(VALIDATORS),
         },
     )
     corrector: str = field(
         default="self",
         metadata={
-            "help": "Who rewrites a flagged step: self = the policy, shown the hint and the"
-            " validator's reason; rule = the environment's optimal action.",
+            "help": "who rewrites a flagged step: self = the policy, shown the hint and the"
+            " validator's reason; rule = the environment's optimal action",
             "choices": tuple(CORRECTORS),
         },
     )
     verifier: str = field(
         default="rubric",
         metadata={
-            "help": "Who accepts a rewrite: rubric = one well-formed action that passes the step"
+            "help": "who accepts a rewrite: rubric = one well-formed action that passes the step"
             " check; llm = the policy prompted with the rubric; none = every rewrite is accepted"
-            ' (the paper\'s "w/o verifier").',
+            ' (the paper\'s "w/o verifier")',
             "choices": tuple(VERIFIERS),
         },
     )
@@ -294,45 +294,45 @@ class RTIConfig:
         metadata={
             "help": "paired = every trajectory of a triggered group is corrected and a kept one"
             " joins the group beside its original; replace = the first intervene_per_group are"
-            " corrected and a kept one replaces its original.",
+            " corrected and a kept one replaces its original",
             "choices": GROUP_MODES,
         },
     )
     intervene_per_group: int = field(
         default=0,
         metadata={
-            "help": "replace: failed trajectories corrected per triggered group; 0 = half of it."
+            "help": "replace: failed trajectories corrected per triggered group; 0 = half of it"
         },
     )
     ppl_gate: bool = field(
         default=True,
         metadata={
-            "help": "Keep a corrected success only if its perplexity is at most ppl_max; off ="
-            ' the paper\'s "w/o PPL gate".'
+            "help": "keep a corrected success only if its perplexity is at most ppl_max; off ="
+            ' the paper\'s "w/o PPL gate"'
         },
     )
     ppl_max: float = field(
         default=1.3,
         metadata={
-            "help": "The gate's perplexity bound (the default: the 95th percentile of the warm"
-            " start's own agent PPL, Navigation's fit split)."
+            "help": "the gate's perplexity bound (the default: the 95th percentile of the warm"
+            " start's own agent PPL, Navigation's fit split)"
         },
     )
     gate_scope: str = field(
         default="agent",
         metadata={
-            "help": "Tokens the gate's perplexity is over: agent = every token the agent wrote;"
-            " intervened = the corrected turns; trajectory = every token after the first message.",
+            "help": "tokens the gate's perplexity is over: agent = every token the agent wrote;"
+            " intervened = the corrected turns; trajectory = every token after the first message",
             "choices": GATE_SCOPES,
         },
     )
     correction_tries: int = field(
         default=3,
-        metadata={"help": "Rewrites asked per flagged step; the first one accepted wins."},
+        metadata={"help": "rewrites asked per flagged step; the first one accepted wins"},
     )
     max_corrections: int = field(
         default=8,
-        metadata={"help": "Corrected steps per trajectory at most; later steps go unchecked."},
+        metadata={"help": "corrected steps per trajectory at most; later steps go unchecked"},
     )
 
     def __post_init__(self):

@@ -34,50 +34,50 @@ class LossConfig:
 
     clip_low: float = field(
         default=0.2,
-        metadata={"help": "eps_lo: the ratio is clipped below at 1 - clip_low (DAPO-style)."},
+        metadata={"help": "eps_lo: the ratio is clipped below at 1 - clip_low (DAPO-style)"},
     )
     clip_high: float = field(
         default=0.28,
-        metadata={"help": "eps_hi: the ratio is clipped above at 1 + clip_high (DAPO-style)."},
+        metadata={"help": "eps_hi: the ratio is clipped above at 1 + clip_high (DAPO-style)"},
     )
     is_mode: str = field(
         default="calibrated",
         metadata={
-            "help": "Importance ratio of INTERVENED tokens: calibrated = pi / pi_old, anchored on"
+            "help": "importance ratio of INTERVENED tokens: calibrated = pi / pi_old, anchored on"
             " the policy's own no-rubric prob (and weighted, see reweight); behavior = the naive"
-            " pi / mu; luffy = LUFFY's p / (p + luffy_gamma), unclipped.",
+            " pi / mu; luffy = LUFFY's p / (p + luffy_gamma), unclipped",
             "choices": IS_MODES,
         },
     )
     reweight: bool = field(
         default=True,
         metadata={
-            "help": "Calibrated token weights on INTERVENED tokens (is_mode calibrated); off ="
-            ' the paper\'s "w/o reweight" ablation, every weight 1.'
+            "help": "calibrated token weights on INTERVENED tokens (is_mode calibrated); off ="
+            ' the paper\'s "w/o reweight" ablation, every weight 1'
         },
     )
     w_min: float = field(
         default=0.2,
-        metadata={"help": "Lower clip of the token weights (our choice: the paper prints none)."},
+        metadata={"help": "lower clip of the token weights (our choice: the paper prints none)"},
     )
     w_max: float = field(
         default=3.0,
-        metadata={"help": "Upper clip of the token weights (our choice: the paper prints none)."},
+        metadata={"help": "upper clip of the token weights (our choice: the paper prints none)"},
     )
     luffy_gamma: float = field(
         default=0.1,
-        metadata={"help": "gamma of is_mode luffy's shaping p / (p + gamma) (our choice)."},
+        metadata={"help": "gamma of is_mode luffy's shaping p / (p + gamma) (our choice)"},
     )
     kl_coef: float = field(
         default=0.0,
-        metadata={"help": "Weight of the k3 KL to the reference policy in the loss; 0 = no KL."},
+        metadata={"help": "weight of the k3 KL to the reference policy in the loss; 0 = no KL"},
     )
     agg: str = field(
         default="token-mean",
         metadata={
-            "help": "How the per-token loss becomes a scalar: token-mean = the mean over all"
+            "help": "how the per-token loss becomes a scalar: token-mean = the mean over all"
             " trained tokens; seq-mean-token-mean = the mean of the rows' means;"
-            " seq-mean-token-sum-norm = the sum over B * max_len (Dr. GRPO).",
+            " seq-mean-token-sum-norm = the sum over B * max_len (Dr. GRPO)",
             "choices": AGG_MODES,
         },
     )
@@ -85,17 +85,17 @@ class LossConfig:
         default="token",
         metadata={
             "help": "token = one ratio per token (GRPO/PPO); sequence = one per row, the geometric"
-            " mean of its token ratios (GSPO).",
+            " mean of its token ratios (GSPO)",
             "choices": RATIO_LEVELS,
         },
     )
     max_len: int | None = field(
         default=None,
-        metadata={"help": "Normaliser of agg seq-mean-token-sum-norm; none = the batch's T."},
+        metadata={"help": "normaliser of agg seq-mean-token-sum-norm; none = the batch's T"},
     )
     scale_advantages: bool = field(
         default=True,
-        metadata={"help": "Divide advantages by the group's std (GRPO); off = Dr. GRPO."},
+        metadata={"help": "divide advantages by the group's std (GRPO); off = Dr. GRPO"},
     )
 
     def __post_init__(self):

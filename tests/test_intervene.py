@@ -31,7 +31,7 @@ torch.set_num_threads(1)
 # the first 12 tasks of a fixed easy-like split (not envs.SPLITS, which may be retuned)
 SPEC = envs.SplitSpec(7, 7, 0.10, 1, 2, n=12, seed=1)
 EASY = [
-    envs.generate_task(SPEC, random.Random(SPEC.seed * 1_000_003 + i), f"easy-{i:04d}")
+    envs.generate_task(SPEC, random.Random(SPEC.seed * envs.SEED_STRIDE + i), f"easy-{i:04d}")
     for i in range(SPEC.n)
 ]
 T_SHORT, T_MID, T_LONG = (
