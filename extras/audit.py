@@ -96,11 +96,16 @@ def undecidable_flags(tasks: list[NavTask], seed: int = 0) -> tuple[int, int]:
     return bad, flagged
 
 
-def main() -> None:
-    argparse.ArgumentParser(
+def build_parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(
         prog="python -m extras.audit",
         description="The undecidable flagged steps and the baselines' p@1 on train, val and test.",
-    ).parse_args()
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+
+
+def main(argv=None) -> None:
+    build_parser().parse_args(argv)
     print(
         "| split | flagged steps | undecidable | greedy walker p@1 | oracle (route + follow) p@1 |"
     )

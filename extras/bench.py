@@ -1,6 +1,6 @@
 """Side-by-side speed figures of the core (printed, never asserted); optional (extras/).
 
-python -m extras.bench [MODEL_DIR] --repeats 2 --threads 2     # run it on an otherwise idle machine
+python -m extras.bench [MODEL_DIR] --repeats 2 --threads 2   # on an otherwise idle machine
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ def bench(
     threads: int = 1,
     seed: int = 0,
 ) -> None:
-    """Side-by-side timings on one machine, alternating so that drift hits both sides:
-    rollout throughput batched (B x G episodes in lockstep) vs one episode at a time on the same tasks, and one
-    training step of GRPO vs RTI (both group modes) from the same sampled batch and the same weights, split into the
-    intervention and the update (whose cost follows the tokens it trains: RTI makes all-fail groups learnable)."""
+    """Side-by-side timings on one machine, alternating so that drift hits both sides: rollout
+    throughput batched (B x G episodes in lockstep) vs one episode at a time on the same tasks, and
+    one training step of GRPO vs RTI (both group modes) from the same sampled batch and the same
+    weights, split into the intervention and the update (whose cost follows the tokens it trains:
+    RTI makes all-fail groups learnable)."""
     torch.set_num_threads(threads)
     model, tok = rti.load_model(model_dir)
     batch_tasks = envs.make_tasks("train")[:tasks]
@@ -51,23 +52,21 @@ def bench(
             dt = time.perf_counter() - t0
             rates[mode].append((len(trajs) / dt, sum(len(t.ids) for t in trajs) / dt, dt))
     print(
-        f"rollout, {tasks} tasks x {group} episodes, train split, {threads} thread(s), {repeats} alternating repeats"
+        f"rollout, {tasks} tasks x {group} episodes, train split, {threads} thread(s), "
+        f"{repeats} alternating repeats"
     )
     for mode, xs in rates.items():
         med = sorted(xs, key=lambda x: x[2])[len(xs) // 2]
         print(
-            f"  {mode:14s} {med[0]:7.1f} episodes/s {med[1]:9.0f} tokens/s   ({med[2]:.2f} s per batch)"
+            f"  {mode:14s} {med[0]:7.1f} episodes/s {med[1]:9.0f} tokens/s   "
+            f"({med[2]:.2f} s per batch)"
         )
-    ratio = sorted(b[0] / s[0] for b, s in zip(rates["batched"], rates["one at a time"]))[
-        len(rates["batched"]) // 2
-    ]
+    ratios = sorted(b[0] / s[0] for b, s in zip(rates["batched"], rates["one at a time"]))
+    ratio = ratios[len(ratios) // 2]
     print(f"  batched / one at a time: {ratio:.1f}x episodes per second")
 
-    parts = {
-        "grpo": [],
-        "replace": [],
-        "paired": [],
-    }  # (intervention s, update s, trained tokens) per repeat
+    # (intervention s, update s, trained tokens) per repeat
+    parts = {"grpo": [], "replace": [], "paired": []}
     for r in range(repeats):
         policy = rti.Sampler(model, tok, seed=seed + r)
         trajs = rti.rollout(policy, batch_tasks, group)
@@ -91,7 +90,8 @@ def bench(
             )
     med = {m: sorted(a + u for a, u, _ in v)[len(v) // 2] for m, v in parts.items()}
     print(
-        f"where the after-sampling time goes, mean of {repeats}: intervention / update on the trained tokens"
+        f"where the after-sampling time goes, mean of {repeats}: intervention / update on the "
+        "trained tokens"
     )
     for m, xs in parts.items():
         inter, upd, toks = (sum(x[k] for x in xs) / len(xs) for k in range(3))
@@ -105,22 +105,28 @@ def bench(
         ("whole step with the batched rollout", {m: v + roll for m, v in med.items()}),
     ):
         print(
-            f"{name}: GRPO {t['grpo']:.2f} s, RTI replace {t['replace']:.2f} s ({t['replace'] / t['grpo']:.2f}x), "
+            f"{name}: GRPO {t['grpo']:.2f} s, "
+            f"RTI replace {t['replace']:.2f} s ({t['replace'] / t['grpo']:.2f}x), "
             f"RTI paired {t['paired']:.2f} s ({t['paired'] / t['grpo']:.2f}x)"
         )
 
 
-def main(argv=None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m extras.bench",
         description="rollout throughput batched vs one at a time; GRPO vs RTI step time",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("model", nargs="?", default=rti.WARMSTART_DIR)
-    p.add_argument("--tasks", type=int, default=8)
-    p.add_argument("--group", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    args = p.parse_args(argv)
+    p.add_argument("model", nargs="?", default=rti.WARMSTART_DIR, help="the model directory")
+    p.add_argument("--tasks", type=int, default=8, help="B: train tasks of the batch")
+    p.add_argument("--group", type=int, default=8, help="G: episodes sampled per task")
+    p.add_argument("--repeats", type=int, default=3, help="alternating repeats of each measurement")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    return p
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     bench(args.model, args.tasks, args.group, args.repeats, args.threads)
 
 

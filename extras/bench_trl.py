@@ -1,20 +1,23 @@
-"""Speed against TRL 1.16, side by side on the same tiny warm-start model (README, speed section).
+"""Speed against TRL 1.16, side by side on the same tiny warm-start model; optional (extras/).
 
-    python -m extras.bench_trl                       # full size: 64 train tasks x G 8, 3 alternating repeats
+    python -m extras.bench_trl        # full size: 64 train tasks x G 8, 3 alternating repeats
     python -m extras.bench_trl --tasks 2 --group-size 2 --repeats 1 --step-tasks 2   # smoke run
 
-1. rollout: episodes per second of our lockstep, KV-cached sampling (`rti.rollout`) against TRL's tool loop
-   (`GRPOTrainer._generate_and_score_completions` with `environment_factory=NavigationToolEnv`, which calls
-   `model.generate` on the whole conversation every turn). Same tasks, G, temperature 1, at most 4 new tokens a turn,
-   the task's own turn limit (the environment enforces it in both; TRL's loop stops at the extra turn after it, see
-   extras/trl_rti.py). Goal: ours >= 5x TRL's.
-2. one single-turn GRPO step: B prompts (each task's first observation) x G, one turn of at most 4 tokens, reward 1
-   iff that first action passes the step check, group advantages, one forward/backward over all rows (token-mean:
-   TRL's `dapo` with one accumulation step), clip 1.0, one AdamW step. Ours: a DecodeSession turn + rti.update;
-   TRL's: `training_step` (its generation, scoring and backward) + the optimizer step. Goal: ours <= 0.9x TRL's.
+1. rollout: episodes per second of our lockstep, KV-cached sampling (`rti.rollout`) against
+   TRL's tool loop (`GRPOTrainer._generate_and_score_completions` with
+   `environment_factory=NavigationToolEnv`, which calls `model.generate` on the whole
+   conversation every turn). Same tasks, G, temperature 1, at most 4 new tokens a turn, the
+   task's own turn limit (the environment enforces it in both; TRL's loop stops at the extra turn
+   after it, see extras/trl_rti.py). Goal: ours >= 5x TRL's.
+2. one single-turn GRPO step: B prompts (each task's first observation) x G, one turn of at most
+   4 tokens, reward 1 iff that first action passes the step check, group advantages, one
+   forward/backward over all rows (token-mean: TRL's `dapo` with one accumulation step), clip
+   1.0, one AdamW step. Ours: a DecodeSession turn + rti.update; TRL's: `training_step` (its
+   generation, scoring and backward) + the optimizer step. Goal: ours <= 0.9x TRL's.
 
-Repeats alternate ours / TRL's, each on its own copy of the model, and the medians are compared. The machine state
-(CPUs, torch threads, load average before and after) is printed with the figures.
+Repeats alternate ours / TRL's, each on its own copy of the model, and the medians are compared.
+The machine state (CPUs, torch threads, load average before and after) is printed with the
+figures.
 """
 
 from __future__ import annotations
@@ -55,12 +58,12 @@ def first_step_reward(completions, task, **kwargs) -> list[float]:
 
 def prompt_dataset(tasks):
     """Rows for the single-turn step: the first observation as the user message, plus the task."""
-    data = trl_rti.navigation_dataset(tasks)
-    return data.map(
-        lambda r: {
-            "prompt": [{"role": "user", "content": envs.Navigation(trl_rti.task_of(r)).reset()}]
-        }
-    )
+
+    def first_observation(row) -> dict:
+        first = envs.Navigation(trl_rti.task_of(row)).reset()
+        return {"prompt": [{"role": "user", "content": first}]}
+
+    return trl_rti.navigation_dataset(tasks).map(first_observation)
 
 
 # ----------------------------------------------------------------------------- 1. rollout
@@ -102,17 +105,16 @@ def trl_rollout(trainer, rows):
     trainer._generate_and_score_completions(rows)
     dt = time.perf_counter() - t0
     m = trainer._metrics["train"]
-    return dt, {
-        "success": m["reward"][-1],
-        "turns": m["tools/call_frequency"][-1] + 1,
-    }  # + the closing turn
+    turns = m["tools/call_frequency"][-1] + 1  # + the closing turn
+    return dt, {"success": m["reward"][-1], "turns": turns}
 
 
-# ----------------------------------------------------------------------------- 2. single-turn GRPO step
+# ----------------------------------------------------------------------------- 2. GRPO step
 
 
 def ours_step(model, tok, opt, tasks, G, seed):
-    """Sample one turn for B x G rows in one DecodeSession, score, group advantages, rti.update (token-mean)."""
+    """Sample one turn for B x G rows in one DecodeSession, score, group advantages, rti.update
+    (token-mean)."""
     sampler = Sampler(model, tok, max_turn_tokens=4, seed=seed)
     cfg = train_config(micro_batch=len(tasks) * G, agg="token-mean", clip_high=0.2, grad_clip=1.0)
     t0 = time.perf_counter()
@@ -165,8 +167,8 @@ def trl_step(trainer, rows):
 
 
 def machine(threads):
-    load = os.getloadavg()
-    return f"{os.cpu_count()} CPUs, torch threads {threads}, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    return f"{os.cpu_count()} CPUs, torch threads {threads}, load average {load}"
 
 
 def run(a) -> dict:
@@ -209,16 +211,18 @@ def run(a) -> dict:
         )
     med = {k: statistics.median(v) for k, v in res.items()}
     n = len(tasks) * G
-    ours_eps, trl_eps = n / med["ours_rollout"], n / med["trl_rollout"]
+    ours_eps = n / med["ours_rollout"]
+    trl_eps = n / med["trl_rollout"]
     print(f"\nrollout, {len(tasks)} tasks x G {G} = {n} episodes, median of {a.repeats}:")
     print(
-        f"  ours {ours_eps:.1f} episodes/s ({med['ours_rollout']:.2f} s), TRL tool loop {trl_eps:.1f} episodes/s "
-        f"({med['trl_rollout']:.2f} s): {ours_eps / trl_eps:.2f}x (goal >= 5x)"
+        f"  ours {ours_eps:.1f} episodes/s ({med['ours_rollout']:.2f} s), "
+        f"TRL tool loop {trl_eps:.1f} episodes/s ({med['trl_rollout']:.2f} s): "
+        f"{ours_eps / trl_eps:.2f}x (goal >= 5x)"
     )
     print(f"single-turn GRPO step, {len(step_tasks)} prompts x G {G}, median of {a.repeats}:")
     print(
-        f"  ours {med['ours_step']:.3f} s, TRL {med['trl_step']:.3f} s: {med['ours_step'] / med['trl_step']:.2f}x "
-        f"TRL's time (goal <= 0.9x)"
+        f"  ours {med['ours_step']:.3f} s, TRL {med['trl_step']:.3f} s: "
+        f"{med['ours_step'] / med['trl_step']:.2f}x TRL's time (goal <= 0.9x)"
     )
     print("machine after:", machine(a.threads))
     return {
@@ -228,21 +232,32 @@ def run(a) -> dict:
     }
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Our rollout and GRPO step against TRL 1.16's, side by side."
+        prog="python -m extras.bench_trl",
+        description="Our rollout and GRPO step against TRL 1.16's, side by side.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--tasks", type=int, default=64)
-    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--tasks", type=int, default=64, help="tasks of the rollout comparison")
+    p.add_argument("--group-size", type=int, default=8, help="G: episodes or samples per task")
     p.add_argument(
         "--step-tasks", type=int, default=16, help="prompts of the single-turn step (x group size)"
     )
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--split", default="train")
-    p.add_argument("--model", default=trl_rti.WARMSTART)
-    p.add_argument("--out", default="runs/bench_trl")
-    run(p.parse_args(argv))
+    p.add_argument("--repeats", type=int, default=3, help="alternating repeats; medians compared")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument(
+        "--split",
+        default="train",
+        choices=tuple(envs.SPLITS),
+        help="Navigation split the tasks come from, in order",
+    )
+    p.add_argument("--model", default=trl_rti.WARMSTART, help="the model directory, both sides")
+    p.add_argument("--out", default="runs/bench_trl", help="TRL's output directory")
+    return p
+
+
+def main(argv=None):
+    run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

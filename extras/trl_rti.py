@@ -1,37 +1,47 @@
-"""RTI inside TRL 1.16: Navigation as a TRL `environment_factory`, and `RTIGRPOTrainer(GRPOTrainer)`.
+"""RTI inside TRL 1.16: Navigation as a TRL `environment_factory`, and
+`RTIGRPOTrainer(GRPOTrainer)`; optional (extras/).
 
-    pip install trl==1.16.0             # brings accelerate, datasets; needs transformers >= 5.2 (5.24 here)
-    python -m extras.trl_rti train --steps 10 --tasks 4 --group-size 8     # RTI trainer on Navigation, prints stats
-    python -m extras.trl_rti stock --steps 2                               # stock GRPOTrainer + NavigationToolEnv
+    pip install -r requirements-trl.txt   # trl==1.16.0: accelerate, datasets; transformers >= 5.2
+    python -m extras.trl_rti train --steps 10 --tasks 4 --group-size 8   # RTI trainer, prints stats
+    python -m extras.trl_rti stock --steps 2          # stock GRPOTrainer + NavigationToolEnv
 
 Two ways to use this repository from TRL:
 
-1. `NavigationToolEnv` + stock `GRPOTrainer(environment_factory=NavigationToolEnv)`: TRL's own tool loop plays
-   the episodes (tools `move(direction)` and `finish()`), `get_reward()` is our rubric (1 iff every item passes).
-   Dataset rows carry the task as JSON (`navigation_dataset`). No RTI: plain GRPO in TRL.
-2. `RTIGRPOTrainer`: generation is ours (`rti.rollout`: lockstep episodes, KV cache kept across turns) followed by
-   the intervention (`intervene.intervene_batch`) on TRL's model; per-token `rti_source` and `rti_behavior_logps` ride
-   in TRL's batch (right-padded like `completion_ids`, so TRL's shuffle and split keep them aligned) and the loss is
-   `loss.policy_loss` (TRL's `loss_type` mapped to our `agg`, TRL's gradient-accumulation scaling kept).
+1. `NavigationToolEnv` + stock `GRPOTrainer(environment_factory=NavigationToolEnv)`: TRL's own
+   tool loop plays the episodes (tools `move(direction)`, `route()` and `finish()`, described
+   once, in extras/chat_tools.py's NavigationTools), `get_reward()` is our rubric (1 iff every
+   item passes). Dataset rows carry the task as JSON (`navigation_dataset`). No RTI: plain GRPO in
+   TRL.
+2. `RTIGRPOTrainer`: generation is ours (`rti.rollout`: lockstep episodes, KV cache kept across
+   turns) followed by the intervention (`intervene.intervene_batch`) on TRL's model; per-token
+   `rti_source` and `rti_behavior_logps` ride in TRL's batch (right-padded like `completion_ids`,
+   so TRL's shuffle and split keep them aligned) and the loss is `loss.policy_loss` (TRL's
+   `loss_type` mapped to our `agg`, TRL's gradient-accumulation scaling kept).
 
-Limits, and why (read in trl/trainer/grpo_trainer.py and trl/chat_template_utils.py of the 1.16.0 wheel):
-- TRL's tool loop needs a chat template that renders tool calls and tool messages (`supports_tool_calling`, a
-  sentinel check) and a tokenizer whose `parse_response` turns a completion into `tool_calls`; its own parsers
-  (`add_response_schema`) only know real model families. The tiny model writes plain-text actions (`move up`) with a
-  word-level tokenizer, so `tool_tokenizer` gives it (a) `TOOL_TEMPLATE`: a call renders as `move up`, a tool
-  message as the user turn the model was trained on, tool schemas are not rendered (the tiny model has no words
-  for JSON); an argument other than `direction` renders as `key value`, which TRL's sentinel check needs; and (b)
-  `ActionTokenizer.parse_response`: exactly one action of `envs.ACTIONS` is a tool call, anything else is text.
-- TRL ends an episode only on a turn without a tool call; it cannot see the environment's `done`. So the parser
-  also reads a turn that follows an observation saying `episode over` / `out of turns` as text: that one extra
-  sampled turn ends TRL's loop (it stays in the completion; our rollout never samples it).
-- A turn that is no valid action ends TRL's episode (unfinished: reward 0); in our rollout it costs a turn and the
-  episode goes on (`error unknown action`). A real model with a real tool-call template needs neither adapter.
-- `RTIGRPOTrainer` scores with our rubric inside its rollout; TRL's reward functions are not called (GRPOTrainer
-  requires one, `rubric_reward` is a stand-in). Advantages are `loss.group_advantages` (eps 1e-6; TRL uses 1e-4);
-  `scale_rewards="batch"`, `num_iterations > 1` with vLLM, multimodal inputs and loss types other than grpo, bnpo,
-  dr_grpo, dapo are refused. Tested on one CPU process; nothing here is distribution-specific beyond TRL's own
-  gathers, but multi-process runs are untested.
+Limits, and why (read in trl/trainer/grpo_trainer.py and trl/chat_template_utils.py of the 1.16.0
+wheel):
+- TRL's tool loop needs a chat template that renders tool calls and tool messages
+  (`supports_tool_calling`, a sentinel check) and a tokenizer whose `parse_response` turns a
+  completion into `tool_calls`; its own parsers (`add_response_schema`) only know real model
+  families. The tiny model writes plain-text actions (`move up`) with a word-level tokenizer, so
+  `tool_tokenizer` gives it (a) `TOOL_TEMPLATE`: a call renders as `move up`, a tool message as
+  the user turn the model was trained on, tool schemas are not rendered (the tiny model has no
+  words for JSON); an argument other than `direction` renders as `key value`, which TRL's
+  sentinel check needs; and (b) `ActionTokenizer.parse_response`: exactly one action of
+  `envs.ACTIONS` is a tool call, anything else is text.
+- TRL ends an episode only on a turn without a tool call; it cannot see the environment's
+  `done`. So the parser also reads a turn that follows an observation saying `episode over` /
+  `out of turns` as text: that one extra sampled turn ends TRL's loop (it stays in the
+  completion; our rollout never samples it).
+- A turn that is no valid action ends TRL's episode (unfinished: reward 0); in our rollout it
+  costs a turn and the episode goes on (`error unknown action`). A real model with a real
+  tool-call template needs neither adapter.
+- `RTIGRPOTrainer` scores with our rubric inside its rollout; TRL's reward functions are not
+  called (GRPOTrainer requires one, `rubric_reward` is a stand-in). Advantages are
+  `loss.group_advantages` (eps 1e-6; TRL uses 1e-4); `scale_rewards="batch"`,
+  `num_iterations > 1` with vLLM, multimodal inputs and loss types other than grpo, bnpo,
+  dr_grpo, dapo are refused. Nothing here is distribution-specific beyond TRL's own gathers, but
+  only single-process runs are tested.
 """
 
 from __future__ import annotations
@@ -43,9 +53,8 @@ import time
 from dataclasses import asdict
 
 import torch
+from transformers import PreTrainedTokenizerFast
 
-# ----------------------------------------------------------------------------- core names
-# The only place this file names the core modules' API.
 import envs
 import evaluate
 import intervene
@@ -53,6 +62,14 @@ import rti
 from extras.chat_tools import NavigationTools
 from loss import POLICY, LossConfig, group_advantages, policy_loss
 
+INSTALL = "pip install -r requirements-trl.txt   (trl==1.16.0)"
+try:
+    from trl import GRPOConfig, GRPOTrainer
+except ImportError as e:  # say how to get it
+    raise ImportError(f"extras.trl_rti needs TRL: {INSTALL}") from e
+
+# ----------------------------------------------------------------------------- core names
+# The only place this file names the core modules' API.
 Sampler = rti.Sampler
 RTIConfig = intervene.RTIConfig
 load_model = rti.load_model
@@ -73,43 +90,31 @@ def run_intervention(sampler, trajs, cfg):
     return trajs, evaluate.intervention_rates(counts)
 
 
-# ----------------------------------------------------------------------------- TRL imports (optional package)
-INSTALL = "pip install -r requirements-trl.txt   (trl==1.16.0)"
-from transformers import PreTrainedTokenizerFast  # noqa: E402
-
-try:
-    from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-except ImportError as e:  # say how to get it
-    raise ImportError(f"extras.trl_rti needs TRL: {INSTALL}") from e
-
-
 # ----------------------------------------------------------------------------- data
 
 
 def navigation_dataset(tasks):
-    """A `datasets.Dataset` of Navigation tasks: `prompt` (an empty user message; `NavigationToolEnv.reset` appends
-    the first observation to it, as TRL does with any environment) and `task` (the NavTask as JSON)."""
+    """A `datasets.Dataset` of Navigation tasks: `prompt` (an empty user message;
+    `NavigationToolEnv.reset` appends the first observation to it, as TRL does with any
+    environment) and `task` (the NavTask as JSON)."""
     from datasets import Dataset
 
-    return Dataset.from_list(
-        [
-            {"prompt": [{"role": "user", "content": ""}], "task": json.dumps(asdict(t))}
-            for t in tasks
-        ]
-    )
+    prompt = [{"role": "user", "content": ""}]
+    return Dataset.from_list([{"prompt": prompt, "task": json.dumps(asdict(t))} for t in tasks])
 
 
 def task_of(row) -> envs.NavTask:
     return envs.NavTask(**json.loads(row["task"]))
 
 
-# ----------------------------------------------------------------------------- Navigation as a TRL environment
+# ----------------------------------------------------------------------------- TRL environment
 
 
 class NavigationToolEnv:
-    """Navigation for TRL's `environment_factory`: `reset(**row)` starts the row's task and returns its first
-    observation; the public methods `move`, `route` and `finish` become the tools; `get_reward` is our rubric's
-    verdict."""
+    """Navigation for TRL's `environment_factory`: `reset(**row)` starts the row's task and returns
+    its first observation; the public methods `move`, `route` and `finish` become the tools, with
+    the schemas TRL reads from their docstrings (NavigationTools.docstring); `get_reward` is our
+    rubric's verdict."""
 
     def __init__(self):
         self.env = None
@@ -119,38 +124,27 @@ class NavigationToolEnv:
         return self.env.reset()
 
     def move(self, direction: str) -> str:
-        """Move one cell on the grid.
-
-        Args:
-            direction: One of up, down, left, right (up decreases the row).
-
-        Returns:
-            The observation: position, next target and blocked neighbours, or an error.
-        """
         return self.env.step(f"move {direction}")[0]
 
-    def route(self) -> str:
-        """Show a shortest path to the next target; it stays in view while you follow it.
+    move.__doc__ = NavigationTools.docstring("move")
 
-        Returns:
-            The observation, opening with the route's directions.
-        """
+    def route(self) -> str:
         return self.env.step("route")[0]
 
-    def finish(self) -> str:
-        """End the episode; call it on the last waypoint.
+    route.__doc__ = NavigationTools.docstring("route")
 
-        Returns:
-            The final observation.
-        """
+    def finish(self) -> str:
         return self.env.step("finish")[0]
 
+    finish.__doc__ = NavigationTools.docstring("finish")
+
     def get_reward(self) -> float:
-        """1.0 iff every rubric item passes (envs.Navigation.score); 0.0 for an episode that never started."""
+        """1.0 iff every rubric item passes (envs.Navigation.score); 0.0 for an episode that never
+        started."""
         return float(self.env.score().success) if self.env is not None else 0.0
 
 
-# ----------------------------------------------------------------------------- tool-call adapter for the tiny model
+# ----------------------------------------------------------------------------- tiny model's calls
 
 TOOL_TEMPLATE = (
     "{%- for m in messages -%}{%- if not loop.first %} {% endif -%}"
@@ -168,10 +162,11 @@ EPISODE_OVER = ("episode over", "out of turns")  # what Navigation says once an 
 
 
 class ActionTokenizer(PreTrainedTokenizerFast):
-    """The tiny word-level tokenizer with a tool-call parser: one action of envs.ACTIONS is a tool call."""
+    """The tiny word-level tokenizer with a tool-call parser: one action of envs.ACTIONS is a tool
+    call."""
 
-    # TRL calls parse_response only when a response_template is set (else it tries its own, which fails on an
-    # unknown template); this minimal, valid one is never used by our parse_response below.
+    # TRL calls parse_response only when a response_template is set (else it tries its own, which
+    # fails on an unknown template); this minimal, valid one is never used by our parse_response.
     TEMPLATE = {
         "start_anchor": "<|assistant|>",
         "fields": {"content": {"close_pattern": r"<\|im_end\|>"}},
@@ -182,28 +177,22 @@ class ActionTokenizer(PreTrainedTokenizerFast):
         self.response_template = dict(self.TEMPLATE)
 
     def parse_response(self, response, schema=None, *, prefix=None, tools=None) -> dict:
-        text = (
-            response
-            if isinstance(response, str)
-            else self.decode(response, skip_special_tokens=True)
-        )
+        if isinstance(response, str):
+            text = response
+        else:
+            text = self.decode(response, skip_special_tokens=True)
         text = " ".join(text.split())
-        context = (prefix if isinstance(prefix, str) else self.decode(prefix or [])).rsplit(
-            "<|user|>", 1
-        )[-1]
-        if text in envs.ACTIONS and not any(s in context for s in EPISODE_OVER):
-            return {
-                "role": "assistant",
-                "content": "",
-                "tool_calls": [
-                    {"type": "function", "function": NavigationTools.call_from_action(text)}
-                ],
-            }
+        context = prefix if isinstance(prefix, str) else self.decode(prefix or [])
+        last_user_turn = context.rsplit("<|user|>", 1)[-1]
+        if text in envs.ACTIONS and not any(s in last_user_turn for s in EPISODE_OVER):
+            call = {"type": "function", "function": NavigationTools.call_from_action(text)}
+            return {"role": "assistant", "content": "", "tool_calls": [call]}
         return {"role": "assistant", "content": text}
 
 
 def tool_tokenizer(tok) -> ActionTokenizer:
-    """The same vocabulary and special tokens as `tok`, with TOOL_TEMPLATE and the action parser."""
+    """The same vocabulary and special tokens as `tok`, with TOOL_TEMPLATE and the action
+    parser."""
     return ActionTokenizer(
         tokenizer_object=tok.backend_tokenizer,
         pad_token=tok.pad_token,
@@ -215,42 +204,47 @@ def tool_tokenizer(tok) -> ActionTokenizer:
 
 # ----------------------------------------------------------------------------- the RTI trainer
 
+# TRL loss_type -> our LossConfig.agg (dapo: token-mean, renormalised in _compute_loss)
 AGG = {
     "grpo": "seq-mean-token-mean",
     "bnpo": "token-mean",
     "dr_grpo": "seq-mean-token-sum-norm",
     "dapo": "token-mean",
-}  # TRL loss_type -> our LossConfig.agg (dapo: token-mean, renormalised below)
+}
+# RTIGRPOTrainer's intervention unless told otherwise (None there: plain GRPO)
+DEFAULT_RTI = RTIConfig()
 
 
 def rollout_seed(seed: int, step: int, rank: int = 0) -> int:
-    """The rollout seed of an optimizer step. Each episode samples from a stream fixed by (this seed, task, sample
-    index) alone (rti.episode_seed), so a task's G episodes are the same whatever else is in the batch."""
+    """The rollout seed of an optimizer step. Each episode samples from a stream fixed by (this
+    seed, task, sample index) alone (rti.episode_seed), so a task's G episodes are the same
+    whatever else is in the batch."""
     return seed * envs.SEED_STRIDE + step * 7919 + rank
 
 
 def rubric_reward(completions, **kwargs):
-    """Stand-in reward source (GRPOTrainer requires one). RTIGRPOTrainer never calls it: its rollout scores each
-    episode with the Navigation rubric."""
+    """Stand-in reward source (GRPOTrainer requires one). RTIGRPOTrainer never calls it: its
+    rollout scores each episode with the Navigation rubric."""
     raise RuntimeError(
         "RTIGRPOTrainer scores episodes in its rollout; this reward function is never called"
     )
 
 
 class RTIGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer whose generation is our batched, KV-cached multi-turn rollout plus RTI, and whose loss is
-    loss.policy_loss with per-token source and behaviour log-probs.
+    """GRPOTrainer whose generation is our batched, KV-cached multi-turn rollout plus RTI, and whose
+    loss is loss.policy_loss with per-token source and behaviour log-probs.
 
-    Rows of the train dataset must hold `task` (NavTask JSON, see navigation_dataset). `rti_config` sets the
-    intervention (None: plain GRPO on our rollout); `loss_config` the loss flags that TRL has no name for (is_mode,
-    reweight, w_min/w_max); clip, agg and kl_coef come from TRL's args. `max_turn_tokens` caps an agent turn.
-    After each generation, `self.rti_stats` gets the intervention statistics of that batch.
+    Rows of the train dataset must hold `task` (NavTask JSON, see navigation_dataset).
+    `rti_config` sets the intervention (None: plain GRPO on our rollout); `loss_config` the loss
+    flags that TRL has no name for (is_mode, reweight, w_min/w_max); clip, agg and kl_coef come
+    from TRL's args. `max_turn_tokens` caps an agent turn. After each generation, `self.rti_stats`
+    gets the intervention statistics of that batch.
     """
 
     def __init__(
         self,
         *args,
-        rti_config: RTIConfig | None = RTIConfig(),
+        rti_config: RTIConfig | None = DEFAULT_RTI,
         loss_config: LossConfig | None = None,
         max_turn_tokens: int = 4,
         reward_funcs=None,
@@ -268,8 +262,8 @@ class RTIGRPOTrainer(GRPOTrainer):
             )
         if rti_config is not None and rti_config.group_mode != "replace":
             raise ValueError(
-                "RTIGRPOTrainer: TRL's batch holds G completions a prompt, so corrections must replace "
-                "their originals: RTIConfig(group_mode='replace')"
+                "RTIGRPOTrainer: TRL's batch holds G completions a prompt, so corrections must "
+                "replace their originals: RTIConfig(group_mode='replace')"
             )
         base = loss_config or LossConfig()
         self.rti_loss_config = LossConfig(
@@ -283,7 +277,8 @@ class RTIGRPOTrainer(GRPOTrainer):
             agg=AGG[self.loss_type],
             max_len=self.max_completion_length if self.loss_type == "dr_grpo" else None,
         )
-        self.rti_config, self.max_turn_tokens = rti_config, max_turn_tokens
+        self.rti_config = rti_config
+        self.max_turn_tokens = max_turn_tokens
         self.rti_stats: list[dict] = []
         self.rti_trajs: list = []
 
@@ -328,25 +323,23 @@ class RTIGRPOTrainer(GRPOTrainer):
 
         out = self.collate(sampler, trajs, device)
         rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-        out["advantages"] = group_advantages(rewards, G, scale=self.scale_rewards != "none").to(
-            device
-        )
+        advantages = group_advantages(rewards, G, scale=self.scale_rewards != "none")
+        out["advantages"] = advantages.to(device)
         mask = out["completion_mask"] * out["tool_mask"]
         out["num_items_in_batch"] = self.accelerator.gather(mask.sum()).sum()
         ids = torch.cat([out["prompt_ids"], out["completion_ids"]], 1)
         attn = torch.cat([out["prompt_mask"], out["completion_mask"]], 1)
         C = out["completion_ids"].size(1)
-        if self.args.gradient_accumulation_steps % (
-            self.args.steps_per_generation * self.num_iterations
-        ):
-            out["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
-                self.model, ids, attn, C
-            )[0]
+        # as in TRL: when generation is not aligned with optimizer steps, the samples may come
+        # from an older model, so their log-probs are kept (else the loss takes the current ones)
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self.args.gradient_accumulation_steps % generate_every:
+            logps = self._get_per_token_logps_and_entropies(self.model, ids, attn, C)[0]
+            out["old_per_token_logps"] = logps
         if self.beta != 0.0:
             ref = self.ref_model if self.ref_model is not None else self.model
-            out["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(ref, ids, attn, C)[
-                0
-            ]
+            logps = self._get_per_token_logps_and_entropies(ref, ids, attn, C)[0]
+            out["ref_per_token_logps"] = logps
         m = self._metrics[mode]
         m["reward"].append(rewards.mean().item())
         m["rti/success_before"].append(success_before)
@@ -357,8 +350,9 @@ class RTIGRPOTrainer(GRPOTrainer):
         return out
 
     def collate(self, sampler, trajs, device) -> dict:
-        """TRL's batch layout: prompt left-padded, completion right-padded; tool_mask = our loss_mask (agent tokens),
-        rti_source / rti_behavior_logps per completion token (0 on padding)."""
+        """TRL's batch layout: prompt left-padded, completion right-padded; tool_mask = our
+        loss_mask (agent tokens), rti_source / rti_behavior_logps per completion token (0 on
+        padding)."""
         pad = self._tokenizer.pad_token_id
         cut = [len(sampler.chat.prompt_ids(t.observations[0])) for t in trajs]
         assert all(
@@ -389,9 +383,8 @@ class RTIGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs):
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
         attn = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-        logp = self._get_per_token_logps_and_entropies(
-            model, ids, attn, inputs["completion_ids"].size(1)
-        )[0]
+        C = inputs["completion_ids"].size(1)
+        logp = self._get_per_token_logps_and_entropies(model, ids, attn, C)[0]
         mask = inputs["completion_mask"] * inputs["tool_mask"]
         old = inputs.get("old_per_token_logps")
         loss, metrics = policy_loss(
@@ -422,7 +415,8 @@ class RTIGRPOTrainer(GRPOTrainer):
 
 
 def trl_args(out: str, steps: int, tasks: int, group_size: int, **kw) -> GRPOConfig:
-    """A small CPU GRPOConfig: one generation batch of `tasks` x `group_size` rows per optimizer step."""
+    """A small CPU GRPOConfig: one generation batch of `tasks` x `group_size` rows per optimizer
+    step; `kw` overrides any of its fields."""
     base = dict(
         output_dir=out,
         max_steps=steps,
@@ -441,28 +435,50 @@ def trl_args(out: str, steps: int, tasks: int, group_size: int, **kw) -> GRPOCon
     return GRPOConfig(**{**base, **kw})
 
 
-def main(argv=None) -> None:
+# the log rows' figures the command prints, step by step
+PRINTED = (
+    "step",
+    "loss",
+    "reward",
+    "rti/success_before",
+    "rti/intervened_frac",
+    "frac_reward_zero_std",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="RTI inside TRL 1.16 on toy Navigation (tiny warm-start model)."
+        prog="python -m extras.trl_rti",
+        description="RTI inside TRL 1.16 on toy Navigation (tiny warm-start model).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
         "command",
         choices=("train", "stock"),
-        help="train: RTIGRPOTrainer; stock: GRPOTrainer + env",
+        help="train: RTIGRPOTrainer; stock: GRPOTrainer + NavigationToolEnv",
     )
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps")
     p.add_argument(
         "--tasks", type=int, default=4, help="tasks per step (each sampled --group-size times)"
     )
-    p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--model", default=WARMSTART)
-    p.add_argument("--split", default="train")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="runs/trl_rti")
+    p.add_argument("--group-size", type=int, default=8, help="G: episodes sampled per task")
+    p.add_argument("--model", default=WARMSTART, help="the model directory to train")
+    p.add_argument(
+        "--split",
+        default="train",
+        choices=tuple(envs.SPLITS),
+        help="Navigation split the tasks come from, in order",
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--out", default="runs/trl_rti", help="TRL's output directory")
     p.add_argument(
         "--no-rti", action="store_true", help="train: plain GRPO on our rollout (no intervention)"
     )
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> None:
+    a = build_parser().parse_args(argv)
     torch.set_num_threads(a.threads)
     model, tok = load_model(a.model)
     data = navigation_dataset(envs.make_tasks(a.split)[: a.tasks * a.steps])
@@ -476,38 +492,36 @@ def main(argv=None) -> None:
             rti_config=None if a.no_rti else RTIConfig(),
         )
     else:
+        args = trl_args(
+            a.out,
+            a.steps,
+            a.tasks,
+            a.group_size,
+            max_completion_length=1024,
+            generation_kwargs={"max_new_tokens": 4},
+        )
         trainer = GRPOTrainer(
             model=model,
             processing_class=tool_tokenizer(tok),
             train_dataset=data,
             environment_factory=NavigationToolEnv,
-            args=trl_args(
-                a.out,
-                a.steps,
-                a.tasks,
-                a.group_size,
-                max_completion_length=1024,
-                generation_kwargs={"max_new_tokens": 4},
-            ),
+            args=args,
         )
     trainer.train()
     for row in trainer.state.log_history:
-        keys = (
-            "step",
-            "loss",
-            "reward",
-            "rti/success_before",
-            "rti/intervened_frac",
-            "frac_reward_zero_std",
-        )
         print(
-            {k: round(row[k], 4) if isinstance(row[k], float) else row[k] for k in keys if k in row}
+            {
+                k: round(row[k], 4) if isinstance(row[k], float) else row[k]
+                for k in PRINTED
+                if k in row
+            }
         )
     if a.command == "train" and trainer.rti_stats:
         print("interventions over the run:")
         print(evaluate.intervention_report(evaluate.run_totals(trainer.rti_stats)))
     print(
-        f"wall time {time.time() - t0:.1f} s for {a.steps} steps of {a.tasks} tasks x {a.group_size}"
+        f"wall time {time.time() - t0:.1f} s for {a.steps} steps of {a.tasks} tasks "
+        f"x {a.group_size}"
     )
 
 

@@ -1,26 +1,29 @@
-"""The supervised warm start of the tiny Navigation policy; optional (extras/): its result is committed.
+"""The supervised warm start of the tiny Navigation policy; optional (extras/): its result is
+committed.
 
-    python -m extras.warmstart           # rebuild checkpoints/warmstart (the demo's starting point)
-    python -m extras.warmstart report --train-split fit --test-split val   # its p@1, all-fail groups, tool use
+    python -m extras.warmstart    # rebuild checkpoints/warmstart (the demo's starting point)
+    python -m extras.warmstart report --train-split fit --test-split val   # p@1, all-fail groups
 
-The tiny model learns from a teacher's successful episodes on the `easy` split: next-token loss on the agent's
-actions plus an auxiliary loss on observation tokens (with actions alone a from-scratch model stalls). The teacher
-sees the map and walks shortest paths; it starts only `ws_route_frac` of legs with the route tool (then follows the
-route), so the policy rarely calls the tool by itself: that is the capability boundary RL has to cross. In
-`ws_hint_frac` of turns the teacher is shown the `<hint> ... </hint>` block a self-corrector sees and does what it
-says (`route` when it holds none), so the policy learns from the start to follow a hint and a route. RL itself
-(rti.py) trains agent tokens only.
+The tiny model learns from a teacher's successful episodes on the `easy` split: next-token loss on
+the agent's actions plus an auxiliary loss on observation tokens (with actions alone a
+from-scratch model stalls). The teacher sees the map and walks shortest paths; it starts only
+`ws_route_frac` of legs with the route tool (then follows the route), so the policy rarely calls
+the tool by itself: that is the capability boundary RL has to cross. In `ws_hint_frac` of turns
+the teacher is shown the `<hint> ... </hint>` block a self-corrector sees and does what it says
+(`route` when it holds none), so the policy learns from the start to follow a hint and a route.
+RL itself (rti.py) trains agent tokens only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import random
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -36,40 +39,67 @@ from loss import group_rows
 
 @dataclass
 class WarmStartConfig(rti.Config):
-    """rti.Config (model, seed, threads, grad_clip, progress) plus the warm start's flags."""
+    """rti.Config (model, seed, threads, grad_clip, progress; the `report` command's sampling and
+    evaluation flags) plus the warm start's flags; every field is a flag."""
 
-    ws_split: str = "easy"
-    ws_steps: int = 700
-    ws_batch: int = 32
-    ws_lr: float = 3e-3
-    ws_hint_frac: float = (
-        0.3  # share of teacher turns with the corrector's hint block before the action
+    ws_split: str = field(
+        default="easy",
+        metadata={
+            "help": "Navigation split of the teacher's episodes",
+            "choices": tuple(envs.SPLITS),
+        },
     )
-    ws_route_frac: float = (
-        0.05  # share of legs the teacher starts with the route tool (1: the oracle's episodes)
+    ws_steps: int = field(default=700, metadata={"help": "optimizer steps of the warm start"})
+    ws_batch: int = field(default=32, metadata={"help": "teacher episodes per step"})
+    ws_lr: float = field(
+        default=3e-3,
+        metadata={"help": "AdamW learning rate: 50 warm-up steps, then cosine decay to 0"},
     )
-    ws_obs_weight: float = 1.0  # auxiliary next-token loss on observation tokens
-    ws_out: str = rti.WARMSTART_DIR
+    ws_hint_frac: float = field(
+        default=0.3,
+        metadata={
+            "help": "share of teacher turns with the corrector's hint block before the action"
+        },
+    )
+    ws_route_frac: float = field(
+        default=0.05,
+        metadata={
+            "help": "share of legs the teacher starts with the route tool (1: the oracle's "
+            "episodes)"
+        },
+    )
+    ws_obs_weight: float = field(
+        default=1.0,
+        metadata={"help": "weight of the auxiliary next-token loss on observation tokens"},
+    )
+    ws_out: str = field(
+        default=rti.WARMSTART_DIR,
+        metadata={
+            "help": "directory the warm-started model is saved to (and `report` reads by default)"
+        },
+    )
 
     def validate(self) -> None:
-        def need(ok, name, why):
-            if not ok:
-                raise ValueError(f"--{name.replace('_', '-')}: {why}, got {getattr(self, name)!r}")
-
-        need(
-            self.ws_split in envs.SPLITS,
+        rti.require(
+            self,
             "ws_split",
+            self.ws_split in envs.SPLITS,
             f"must be a Navigation split: {list(envs.SPLITS)}",
         )
-        need(
-            self.ws_steps >= 1 and self.ws_batch >= 1,
+        rti.require(
+            self,
             "ws_steps",
+            self.ws_steps >= 1 and self.ws_batch >= 1,
             "ws_steps and ws_batch must be >= 1",
         )
-        need(self.ws_lr > 0, "ws_lr", "must be > 0")
-        need(0 <= self.ws_hint_frac <= 1, "ws_hint_frac", "must be in [0, 1]")
-        need(0 <= self.ws_route_frac <= 1, "ws_route_frac", "must be in [0, 1]")
+        rti.require(self, "ws_lr", self.ws_lr > 0, "must be > 0")
+        rti.require(self, "ws_hint_frac", 0 <= self.ws_hint_frac <= 1, "must be in [0, 1]")
+        rti.require(self, "ws_route_frac", 0 <= self.ws_route_frac <= 1, "must be in [0, 1]")
         super().validate()
+
+
+COMMANDS = ("warmstart", "report")
+PROG = "-m extras.warmstart"
 
 
 def teacher_sequence(
@@ -77,36 +107,41 @@ def teacher_sequence(
 ):
     """Token ids and per-token loss weights of a teacher's successful episode for `task`.
 
-    The teacher sees the map: it walks shortest paths, starting a share `route_frac` of legs with the `route` tool
-    and following a route it holds. A share `hint_frac` of turns carries the hint block a self-corrector will see
-    (intervene.format_hint) at the end of the user message, and the teacher does what it says (calls `route` when it
-    holds none), so the policy learns both to follow a hint and, rarely, to call the tool. Agent tokens weigh 1,
-    observation tokens `obs_weight` (an auxiliary loss: with actions alone a from-scratch model stalls), hint tokens 0.
+    The teacher sees the map: it walks shortest paths, starting a share `route_frac` of legs with
+    the `route` tool and following a route it holds. A share `hint_frac` of turns carries the hint
+    block a self-corrector will see (intervene.format_hint) at the end of the user message, and the
+    teacher does what it says (calls `route` when it holds none), so the policy learns both to
+    follow a hint and, rarely, to call the tool. Agent tokens weigh 1, observation tokens
+    `obs_weight` (an auxiliary loss: with actions alone a from-scratch model stalls), hint tokens
+    0.
     """
     env = envs.Navigation(replace(task, max_turns=envs.MAX_NUMBER))
-    content, ids, weights, leg = env.reset(), [], [], -1
+    content = env.reset()
+    ids = []
+    weights = []
+    leg = -1  # the leg (waypoints visited) the teacher last acted on
     n_post = len(chat.ids(chat.turn_post))
     while not env.done:
         piece = chat.prompt_ids if env.turns == 0 else chat.turn_ids
         plain = piece(content)
-        w, best = [obs_weight] * len(plain), env.optimal_action()
+        w = [obs_weight] * len(plain)
+        best = env.optimal_action()
         if rng.random() < hint_frac:
-            reason = env.check_step(
-                rng.choice([a for a in envs.ACTIONS if not env.check_step(a).valid])
-            ).reason
+            # the hint of a step check that flags a random wrong action
+            wrong = rng.choice([a for a in envs.ACTIONS if not env.check_step(a).valid])
+            reason = env.check_step(wrong).reason
             hinted = piece(content + " " + intervene.format_hint(reason, env.hint()))
             n_hint = len(hinted) - len(plain)
             w = [obs_weight] * len(hinted)
             w[len(hinted) - n_post - n_hint : len(hinted) - n_post] = [0.0] * n_hint
-            plain, action = hinted, best
+            plain = hinted
+            action = best
         elif env.route or best == "finish":
             action = best
+        elif leg < env.visited and rng.random() < route_frac:
+            action = "route"
         else:
-            action = (
-                "route"
-                if leg < env.visited and rng.random() < route_frac
-                else env.shortest_moves()[0]
-            )
+            action = env.shortest_moves()[0]
         leg = env.visited
         agent = chat.action_ids(action) + [chat.eos_id]
         ids += plain + agent
@@ -116,39 +151,44 @@ def teacher_sequence(
     return ids, weights
 
 
+def lr_factor(step: int, steps: int) -> float:
+    """The learning-rate schedule of the warm start: 50 warm-up steps, then cosine decay to 0 at
+    `steps`."""
+    warmup = min(1.0, (step + 1) / 50)
+    return warmup * 0.5 * (1 + math.cos(math.pi * min(step, steps) / max(1, steps)))
+
+
 def warmstart(cfg: WarmStartConfig, log=print):
     """Supervised warm start on optimal `easy` trajectories: weighted next-token cross-entropy
-    sum_t w_t CE_t / sum_t w_t (teacher_sequence's weights); saves model + tokenizer to cfg.ws_out."""
+    sum_t w_t CE_t / sum_t w_t (teacher_sequence's weights); saves model + tokenizer to
+    cfg.ws_out."""
     model, tok = rti.load_model(cfg.model, cfg.seed)
-    chat, tasks, rng = rti.Chat(tok), envs.make_tasks(cfg.ws_split), random.Random(cfg.seed)
+    chat = rti.Chat(tok)
+    tasks = envs.make_tasks(cfg.ws_split)
+    rng = random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.ws_lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt,
-        lambda s: (
-            min(1.0, (s + 1) / 50)
-            * 0.5
-            * (1 + math.cos(math.pi * min(s, cfg.ws_steps) / max(1, cfg.ws_steps)))
-        ),
-    )  # 50 warm-up steps, then cosine
+    schedule = functools.partial(lr_factor, steps=cfg.ws_steps)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     model.train()
-    t0, losses, batches = time.time(), [], []
+    t0 = time.time()
+    losses = []
+    batches = []
     bar = tqdm(range(cfg.ws_steps), desc="warm start", disable=not cfg.progress, file=sys.stderr)
     for step in bar:
-        if not batches:  # draw 8 batches at once and group similar lengths: less padding, same data
-            pool = sorted(
-                (
-                    teacher_sequence(
-                        chat,
-                        rng.choice(tasks),
-                        rng,
-                        cfg.ws_hint_frac,
-                        cfg.ws_obs_weight,
-                        cfg.ws_route_frac,
-                    )
-                    for _ in range(8 * cfg.ws_batch)
-                ),
-                key=lambda b: len(b[0]),
-            )
+        if not batches:
+            # draw 8 batches at once and group similar lengths: less padding, same data
+            pool = [
+                teacher_sequence(
+                    chat,
+                    rng.choice(tasks),
+                    rng,
+                    cfg.ws_hint_frac,
+                    cfg.ws_obs_weight,
+                    cfg.ws_route_frac,
+                )
+                for _ in range(8 * cfg.ws_batch)
+            ]
+            pool.sort(key=lambda b: len(b[0]))
             batches = [pool[i : i + cfg.ws_batch] for i in range(0, len(pool), cfg.ws_batch)]
             rng.shuffle(batches)
         batch = batches.pop()
@@ -179,56 +219,60 @@ def warmstart(cfg: WarmStartConfig, log=print):
     }
     (Path(cfg.ws_out) / "warmstart.json").write_text(json.dumps(info, indent=1))
     log(
-        f"warm start: {cfg.ws_steps} steps in {info['seconds']} s, loss {info['first_loss']:.3f} -> "
-        f"{info['last_loss']:.3f}, saved to {cfg.ws_out}"
+        f"warm start: {cfg.ws_steps} steps in {info['seconds']} s, "
+        f"loss {info['first_loss']:.3f} -> {info['last_loss']:.3f}, saved to {cfg.ws_out}"
     )
     return model, tok, losses
 
 
 def tool_use(trajs) -> dict:
-    """What the policy does with the route tool, replayed from its episodes: `route_calls_per_leg` (calls over the legs
-    it worked on), `legs_routed` (share of those legs with a call), `valid_with_route` (share of actions taken while
-    holding a route that pass the step check) and `valid_without_route` (the same without one)."""
-    calls = legs = routed = 0
-    valid = {True: [0, 0], False: [0, 0]}  # holding a route -> [valid, all]
+    """What the policy does with the route tool, replayed from its episodes:
+    `route_calls_per_leg` (calls over the legs it worked on), `legs_routed` (share of those legs
+    with a call), `valid_with_route` (share of actions taken while holding a route that pass the
+    step check) and `valid_without_route` (the same without one)."""
+    calls = 0
+    legs = 0
+    routed = 0
+    valid = {True: 0, False: 0}  # holding a route -> actions that pass the step check
+    taken = {True: 0, False: 0}  # holding a route -> actions
     for t in trajs:
-        env, seen = envs.Navigation(t.task), set()
+        env = envs.Navigation(t.task)
+        legs_with_a_call = set()
         for action in t.actions:
-            v = valid[bool(env.route)]
-            v[0], v[1] = v[0] + env.check_step(action).valid, v[1] + 1
+            holding = bool(env.route)
+            valid[holding] += env.check_step(action).valid
+            taken[holding] += 1
             if action == "route":
-                calls, seen = calls + 1, seen | {env.visited}
+                calls += 1
+                legs_with_a_call.add(env.visited)
             env.step(action)
         legs += min(env.visited + 1, len(t.task.waypoints))
-        routed += len(seen)
-    share = lambda v: v[0] / max(1, v[1])
+        routed += len(legs_with_a_call)
     return {
         "route_calls_per_leg": calls / max(1, legs),
         "legs_routed": routed / max(1, legs),
-        "valid_with_route": share(valid[True]),
-        "valid_without_route": share(valid[False]),
+        "valid_with_route": valid[True] / max(1, taken[True]),
+        "valid_without_route": valid[False] / max(1, taken[False]),
     }
 
 
 def report(cfg: WarmStartConfig, model_dir: str, log=print) -> dict:
-    """`python -m extras.warmstart report [MODEL_DIR]`: the checkpoint where RL starts, against the issue's marks:
-    p@1 on --test-split (--eval-tasks x --eval-samples), the share of --group-size-sample groups on --train-split
-    with no success (--batch-tasks tasks), and how it uses the route tool on both."""
+    """`python -m extras.warmstart report [MODEL_DIR]`: the checkpoint where RL starts, in the
+    figures that decide whether RL can start from it: p@1 on --test-split (--eval-tasks x
+    --eval-samples), the share of --group-size-sample groups on --train-split with no success
+    (--batch-tasks tasks), and how it uses the route tool on both."""
     model, tok = rti.load_model(model_dir, cfg.seed)
     sampler = rti.Sampler(model, tok, cfg.temperature, cfg.top_p, cfg.max_turn_tokens, cfg.seed)
+    test_tasks = envs.Navigation.tasks(cfg.test_split)[: cfg.eval_tasks]
+    train_tasks = envs.Navigation.tasks(cfg.train_split)[: cfg.batch_tasks]
     with torch.no_grad():
-        test = rti.rollout(
-            sampler, envs.Navigation.tasks(cfg.test_split)[: cfg.eval_tasks], cfg.eval_samples, 1234
-        )
-        train = rti.rollout(
-            sampler, envs.Navigation.tasks(cfg.train_split)[: cfg.batch_tasks], cfg.group_size, 99
-        )
+        test = rti.rollout(sampler, test_tasks, cfg.eval_samples, 1234)
+        train = rti.rollout(sampler, train_tasks, cfg.group_size, 99)
     groups = group_rows([t.group for t in train]).values()
+    all_fail = [max(train[i].reward for i in rows) == 0 for rows in groups]
     out = {
         "test_p@1": 100 * float(np.mean([t.reward for t in test])),
-        "train_all_fail": float(
-            np.mean([max(train[i].reward for i in rows) == 0 for rows in groups])
-        ),
+        "train_all_fail": float(np.mean(all_fail)),
         "train_p@1": 100 * float(np.mean([t.reward for t in train])),
         **{f"test_{k}": v for k, v in tool_use(test).items()},
         **{f"train_{k}": v for k, v in tool_use(train).items()},
@@ -237,10 +281,12 @@ def report(cfg: WarmStartConfig, model_dir: str, log=print) -> dict:
     return out
 
 
+def build_parser():
+    return rti.build_parser(WarmStartConfig, COMMANDS, PROG)
+
+
 def main(argv=None) -> None:
-    command, path, cfg = rti.parse_args(
-        argv, WarmStartConfig, ("warmstart", "report"), prog="-m extras.warmstart"
-    )
+    command, path, cfg = rti.parse_args(argv, WarmStartConfig, COMMANDS, prog=PROG)
     torch.set_num_threads(cfg.threads)
     if command == "report":
         report(cfg, path or cfg.ws_out)

@@ -1,8 +1,10 @@
-"""extras/scale.py and extras/chat_tools.py: tool calls with a Qwen3 chat template, bf16 / gradient checkpointing /
-LoRA, flags the machine cannot serve, and FSDP2 on 2 CPU processes (gloo) against 1 process on the same global batch.
+"""extras/scale.py and what it plugs in (chat_tools.py, lora.py, fsdp.py, gpu_smoke.py): tool calls
+with a Qwen3 chat template, bf16 / gradient checkpointing / LoRA, the GPU smoke test's code path,
+flags the machine cannot serve, and FSDP2 on 2 CPU processes (gloo) against 1 process on the same
+global batch.
 
-`python -m torch.distributed.run --standalone --nproc_per_node 2 tests/test_scale.py OUT` is the 2-process worker
-that test_fsdp_two_processes_match_one_process launches.
+`python -m torch.distributed.run --standalone --nproc_per_node 2 tests/test_scale.py OUT` is the
+2-process worker that test_fsdp_two_processes_match_one_process launches.
 """
 
 import importlib.util
@@ -22,13 +24,19 @@ sys.path.insert(0, str(ROOT))
 import envs  # noqa: E402
 import intervene  # noqa: E402
 import rti  # noqa: E402
-from extras import scale  # noqa: E402
-from extras.chat_tools import NavigationTools, ToolChat, format_tool_call, parse_tool_call  # noqa: E402
+from extras import gpu_smoke, scale  # noqa: E402
+from extras.chat_tools import (  # noqa: E402
+    NavigationTools,
+    ToolChat,
+    format_tool_call,
+    parse_tool_call,
+)
 
 HAS_PEFT = importlib.util.find_spec("peft") is not None
 
-# Qwen3-8B's chat template (tokenizer_config.json of the hybrid-thinking Qwen3 release): tools in the system
-# message, tool results as <tool_response> blocks in a user turn, enable_thinking=False closes an empty think block.
+# Qwen3-8B's chat template (tokenizer_config.json of the hybrid-thinking Qwen3 release): tools in
+# the system message, tool results as <tool_response> blocks in a user turn, enable_thinking=False
+# closes an empty think block.
 QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0].role == 'system' %}
@@ -121,7 +129,8 @@ QWEN3_CHAT_TEMPLATE = r"""{%- if tools %}
 
 
 def qwen3_style_tokenizer():
-    """A small byte-level BPE (trained here on the env's texts) with Qwen3's special tokens and chat template."""
+    """A small byte-level BPE (trained here on the env's texts) with Qwen3's special tokens and
+    chat template."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -167,7 +176,7 @@ def qwen_tok():
     return qwen3_style_tokenizer()
 
 
-# ----------------------------------------------------------------------------- tool-call parsing (a pure function)
+# ----------------------------------------------------------------------------- tool-call parsing
 
 CALL = '<tool_call>\n{"name": "move", "arguments": {"direction": "up"}}\n</tool_call>'
 
@@ -185,10 +194,8 @@ CALL = '<tool_call>\n{"name": "move", "arguments": {"direction": "up"}}\n</tool_
             "move left",
         ),
         ("I will go up now.\n" + CALL + "\nDone.", "move up"),  # text around one call
-        (
-            "<think>\nmaybe <tool_call> down?\n</think>\n\n" + CALL,
-            "move up",
-        ),  # a think block is skipped
+        # a think block is skipped
+        ("<think>\nmaybe <tool_call> down?\n</think>\n\n" + CALL, "move up"),
         (
             '<tool_call>{"name": "move", "arguments": {"direction": "up"}</tool_call>',
             "malformed JSON",
@@ -223,6 +230,14 @@ def test_parse_tool_call(text, action):
         assert not env.check_step(got).valid
 
 
+def test_chat_tools_docstring_examples():
+    import doctest
+
+    from extras import chat_tools
+
+    assert doctest.testmod(chat_tools).failed == 0
+
+
 def test_every_action_round_trips_through_its_tool_call():
     for action in envs.ACTIONS:
         assert parse_tool_call(format_tool_call(action)) == action
@@ -230,7 +245,7 @@ def test_every_action_round_trips_through_its_tool_call():
     assert names == {a.split()[0] for a in envs.ACTIONS}
 
 
-# ----------------------------------------------------------------------------- chat pieces with Qwen3's template
+# ----------------------------------------------------------------------------- Qwen3's template
 
 
 def render(tok, messages, thinking=False):
@@ -252,14 +267,10 @@ def test_qwen3_chat_pieces_are_the_templates_and_prefix_stable(qwen_tok):
     first = env.reset()
     prompt = render(tok, [{"role": "user", "content": first}])
     assert chat.prompt_ids(first) == chat.ids(prompt)
-    assert (
-        "<tools>" in prompt
-        and '"name": "move"' in prompt
-        and '"enum": ["up", "down", "left", "right"]' in prompt
-    )
-    assert prompt.endswith(
-        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-    )  # thinking off by default
+    assert "<tools>" in prompt and '"name": "move"' in prompt
+    assert '"enum": ["up", "down", "left", "right"]' in prompt
+    # thinking off by default
+    assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     # a two-turn episode built from the pieces, as rollout builds it
     ids = chat.prompt_ids(first)
     for action in envs.optimal_actions(task)[:2]:
@@ -267,7 +278,8 @@ def test_qwen3_chat_pieces_are_the_templates_and_prefix_stable(qwen_tok):
         assert chat.action_text(agent) == action
         obs, _ = env.step(action)
         ids += agent + chat.turn_ids(obs)
-        # what follows the agent's eos is exactly what the template writes after an assistant turn and a tool result
+        # what follows the agent's eos is exactly what the template writes after an assistant
+        # turn and a tool result
         full = render(
             tok,
             [
@@ -303,13 +315,11 @@ def test_tiny_chat_keeps_plain_text_actions():
 
 
 def test_rti_step_with_a_qwen3_template_model(qwen_tok):
-    """A random model's turns are malformed calls (error observations); rule corrections are tool calls, succeed
-    and are trained on."""
+    """A random model's turns are malformed calls (error observations); rule corrections are tool
+    calls, succeed and are trained on."""
     model = rti.build_tiny_model(len(qwen_tok), seed=0)
-    model.config.eos_token_id, model.config.pad_token_id = (
-        qwen_tok.eos_token_id,
-        qwen_tok.pad_token_id,
-    )
+    model.config.eos_token_id = qwen_tok.eos_token_id
+    model.config.pad_token_id = qwen_tok.pad_token_id
     policy = rti.Sampler(
         model, qwen_tok, temperature=1.0, max_turn_tokens=24, seed=0, chat=ToolChat(qwen_tok)
     )
@@ -354,14 +364,13 @@ def test_model_path_loads_a_local_model_with_its_template_and_flags(qwen_tok, tm
         ("train",),
     )
     policy = rti.init_sampler(cfg, scale.ScaleBackend(cfg))
-    assert policy.chat.tools and policy.chat.prompt_post.endswith(
-        "assistant\n"
-    )  # thinking on: no empty block
+    # thinking on: no empty block
+    assert policy.chat.tools and policy.chat.prompt_post.endswith("assistant\n")
     assert policy.model.config._attn_implementation == "eager"
     assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
 
 
-# ----------------------------------------------------------------------------- bf16, gradient checkpointing, LoRA
+# ----------------------------------------------------------------------------- bf16 / ckpt / LoRA
 
 
 def small_cfg(tmp_path, **kw):
@@ -435,9 +444,11 @@ def test_lora_bf16_checkpointing_step_trains_only_adapters(tmp_path):
 
 
 def qwen3_params(a: dict) -> int:
-    """Parameters of a Qwen3 decoder from its config: per layer the q, k, v, o projections, the SwiGLU MLP and four
-    norms (two of width hidden, q_norm and k_norm of width head_dim); embeddings and head (tied or not); final norm."""
-    h, d = a["hidden_size"], a["head_dim"]
+    """Parameters of a Qwen3 decoder from its config: per layer the q, k, v, o projections, the
+    SwiGLU MLP and four norms (two of width hidden, q_norm and k_norm of width head_dim);
+    embeddings and head (tied or not); final norm."""
+    h = a["hidden_size"]
+    d = a["head_dim"]
     attention = h * d * (2 * a["num_attention_heads"] + 2 * a["num_key_value_heads"])
     layer = attention + 3 * h * a["intermediate_size"] + 2 * h + 2 * d
     return (
@@ -449,7 +460,7 @@ def qwen3_params(a: dict) -> int:
 
 def test_gpu_smoke_code_path_runs_on_cpu_with_a_tiny_architecture(tmp_path):
     arch = dict(
-        scale.QWEN3_8B,
+        gpu_smoke.QWEN3_8B,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -458,17 +469,18 @@ def test_gpu_smoke_code_path_runs_on_cpu_with_a_tiny_architecture(tmp_path):
         head_dim=32,
         vocab_size=1000,
     )
-    fig = scale.gpu_smoke(
+    fig = gpu_smoke.gpu_smoke(
         small_cfg(tmp_path, dtype="bf16", gradient_checkpointing=True, batch_tasks=1),
+        scale.ScaleBackend,
         arch=arch,
         steps=1,
-        log=lambda *a: None,
+        log=rti.silent,
     )
     assert fig["params"] == qwen3_params(arch) == 202_176
     assert math.isfinite(fig["steps"][0]["loss"])
 
 
-# ----------------------------------------------------------------------------- flags the machine cannot serve
+# ----------------------------------------------------------------------------- flags refused
 
 FIND_SPEC = importlib.util.find_spec
 
@@ -513,11 +525,13 @@ def test_flags_the_machine_cannot_serve_say_what_to_change(
     assert expect in capsys.readouterr().err
 
 
-# ----------------------------------------------------------------------------- FSDP2: 2 processes = 1 process
+# ----------------------------------------------------------------------------- FSDP2 on 2 processes
 
-# Near-greedy sampling makes both runs sample the same trajectories although their batches have different shapes;
-# rule corrections give each group a reward spread, so the loss and the update are not trivial. A micro-batch of 3
-# rows splits the 8 trained rows 3+3+2 in one process and 3+1 per rank in two.
+# Near-greedy sampling makes both runs sample the same trajectories although their batches have
+# different shapes; rule corrections give each group a reward spread, so the loss and the update
+# are not trivial. A micro-batch of 3 rows splits the 8 trained rows 3+3+2 in one process and 3+1
+# per rank in two. With more than one mini-batch each process would shuffle its own rows: other
+# parts than one process's.
 FLAGS = [
     "--init",
     "",
@@ -553,27 +567,27 @@ FLAGS = [
     "1",
     "--mini-batches",
     "1",
-]  # with more, each process shuffles its own rows: other parts than one process's
+]
 
 
 def fsdp_worker(out: str) -> None:
-    """Under torchrun: 2 steps straight (with gradient checkpointing, which must change nothing), then 1 step and a
-    resume from its sharded checkpoint to step 2."""
+    """Under torchrun: 2 steps straight (with gradient checkpointing, which must change nothing),
+    then 1 step and a resume from its sharded checkpoint to step 2."""
     import torch.distributed as dist
 
-    quiet = lambda *a, **k: None  # noqa: E731
     for extra in (
         ["--out", f"{out}/straight", "--gradient-checkpointing"],
         ["--out", f"{out}/resumed", "--steps", "1"],
         ["--out", f"{out}/resumed", "--resume"],
     ):
         _, _, cfg = rti.parse_args(FLAGS + ["--fsdp"] + extra, scale.ScaleConfig, ("train",))
-        rti.train(cfg, log=quiet, backend=scale.ScaleBackend(cfg))
+        rti.train(cfg, log=rti.silent, backend=scale.ScaleBackend(cfg))
     dist.destroy_process_group()
 
 
 def losses(path):
-    """(loss, grad norm before clipping) per step: AdamW and clipping hide a wrong gradient scale, the norm shows it."""
+    """(loss, grad norm before clipping) per step: AdamW and clipping hide a wrong gradient scale,
+    the norm shows it."""
     return [(m["loss"], m["grad_norm"]) for m in map(json.loads, open(path))]
 
 
@@ -599,11 +613,10 @@ def test_fsdp_two_processes_match_one_process(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     _, _, cfg = rti.parse_args(FLAGS + ["--out", str(tmp_path / "one")])
-    one = rti.train(cfg, log=lambda *a: None)
+    one = rti.train(cfg, log=rti.silent)
     ref = losses(tmp_path / "one" / "metrics.jsonl")
-    assert len(ref) == 2 and all(
-        abs(loss) > 1e-3 and norm > 1 for loss, norm in ref
-    )  # a real update
+    # a real update
+    assert len(ref) == 2 and all(abs(loss) > 1e-3 and norm > 1 for loss, norm in ref)
     for run in ("straight", "resumed"):
         two = losses(tmp_path / "two" / run / "metrics.jsonl")
         assert [x for step in two for x in step] == pytest.approx(
@@ -616,8 +629,9 @@ def test_fsdp_two_processes_match_one_process(tmp_path):
         "rng-0.pt",
         "rng-1.pt",
     ]
-    # AdamW moves every weight with a non-negligible gradient by about lr per step; where a gradient is near Adam's
-    # eps, float noise between batch shapes shows, so the tolerance is a small share of the distance travelled
+    # AdamW moves every weight with a non-negligible gradient by about lr per step; where a gradient
+    # is near Adam's eps, float noise between batch shapes shows, so the tolerance is a small share
+    # of the distance travelled
     from safetensors.torch import load_file
 
     init = rti.build_tiny_model(one["sampler"].model.config.vocab_size).state_dict()
@@ -628,9 +642,8 @@ def test_fsdp_two_processes_match_one_process(tmp_path):
         assert set(two) <= set(final) and "model.embed_tokens.weight" in two
         for k, v in two.items():
             assert (final[k] - init[k]).abs().max() > travelled / 2, k  # it moved ...
-            assert torch.allclose(v, final[k], rtol=0, atol=0.025 * travelled), (
-                k
-            )  # ... to the same place
+            same_place = torch.allclose(v, final[k], rtol=0, atol=0.025 * travelled)
+            assert same_place, k  # ... to the same place
 
 
 if __name__ == "__main__":

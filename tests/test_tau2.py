@@ -1,8 +1,9 @@
-"""Tests for the tau2-bench environments (extras/tau2.py): gold replays score 1, empty and unfinished episodes 0,
-malformed tool calls are error observations, step checks name the expected action, chat rendering with Qwen3's
-template, a tiny-model run on telecom. Skipped with the install command when the optional tau2 package is missing."""
+"""Tests for the tau2-bench environments (extras/tau2.py) and their users (extras/tau2_users.py):
+gold replays score 1, empty and unfinished episodes 0, malformed tool calls are error observations,
+step checks name the expected action, the users, chat rendering with Qwen3's template, a tiny-model
+run on telecom. Skipped with the install command when the optional tau2 package is missing."""
 
-import json
+import doctest
 import logging
 import random
 import subprocess
@@ -15,19 +16,28 @@ import envs
 import intervene
 import rti
 from extras import tau2 as t2
+from extras import tau2_users
 from extras.chat_tools import ToolChat, parse_tool_call
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def registry_as_found():
+    """envs.ENVS as this module found it: using a tau2 env replaces its registry entry (a name) by
+    the class, which other test modules check is still a name."""
+    before = dict(envs.ENVS)
+    yield
+    envs.ENVS.clear()
+    envs.ENVS.update(before)
+
+
 @pytest.fixture(scope="module")
 def tau2():
-    pytest.importorskip(
-        "tau2", reason=f"tau2 is not installed: {t2.TAU2_INSTALL}"
-    )  # its __init__ is empty
-    t2.tau2_domain(
-        "telecom"
-    )  # the first tau2 import goes through tau2_import, which quietens its logger
+    # its __init__ is empty
+    pytest.importorskip("tau2", reason=f"tau2 is not installed: {t2.TAU2_INSTALL}")
+    # the first tau2 import goes through tau2_import, which quietens its logger
+    t2.tau2_domain("telecom")
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +50,8 @@ def make_env(task, user=None):
 
 
 def play(task, actions=None):
-    """A fresh episode of `task` with `actions` (default: the expected ones, as optimal_action gives them, each
-    checked valid by the step check first)."""
+    """A fresh episode of `task` with `actions` (default: the expected ones, as optimal_action
+    gives them, each checked valid by the step check first)."""
     env = make_env(task)
     env.reset()
     for a in actions if actions is not None else iter(env.optimal_action, None):
@@ -79,9 +89,8 @@ def test_gold_replay_scores_one_on_every_telecom_base_task(telecom):
         assert result.success, (task.task_id, result.items, env.score_error)
         assert env.stopped and env.actions[-1] == t2.canonical_call(t2.STOP_TOOL, {})
         crit = task.task.evaluation_criteria
-        n_actions = (
-            len(crit.actions) if "ACTION" in env.bases else 0
-        )  # one rubric item per criterion
+        # one rubric item per criterion
+        n_actions = len(crit.actions) if "ACTION" in env.bases else 0
         assert len(result.items) == 1 + len(crit.env_assertions or []) + n_actions
 
 
@@ -110,9 +119,8 @@ def test_empty_and_unfinished_telecom_episodes_score_zero(telecom):
     items = env.score().items
     assert env.done and not env.stopped and env.observations[-1].endswith("out of turns")
     assert items["stopped"] is False and all(v for k, v in items.items() if k != "stopped")
-    early = play(
-        task, [t2.canonical_call(t2.STOP_TOOL, {})]
-    )  # done at once: stopped, assertions fail
+    # done at once: stopped, assertions fail
+    early = play(task, [t2.canonical_call(t2.STOP_TOOL, {})])
     assert early.stopped and not early.score().success
 
 
@@ -164,9 +172,8 @@ MALFORMED = [
 ]
 
 
-@pytest.mark.filterwarnings(
-    "ignore:Pydantic serializer warnings"
-)  # tau2 stores some badly typed arguments as given
+# tau2 stores some badly typed arguments as given
+@pytest.mark.filterwarnings("ignore:Pydantic serializer warnings")
 def test_malformed_tool_calls_never_raise_and_are_error_observations(telecom):
     rng = random.Random(0)
     texts = MALFORMED + [
@@ -196,7 +203,7 @@ def test_step_check_names_the_expected_action(telecom):
     env = make_env(task)
     env.reset()
     expected = env.optimal_action()
-    name = t2.parse_call(expected)[0]
+    assert t2.parse_call(expected)  # a tool call
     assert env.check_step(expected).valid
     assert env.check_step(t2.canonical_call("check_status_bar", {})).valid  # a read that works
     gold = {a.name for a in task.task.evaluation_criteria.actions}
@@ -212,35 +219,30 @@ def test_step_check_names_the_expected_action(telecom):
     }
     for rule, action in cases.items():
         check = env.check_step(action)
-        assert (
-            not check.valid
-            and check.reason.startswith(rule.split()[0])
-            and rule.split()[-1] in check.reason
-        )
-        assert (
-            check.reason.endswith(f"next expected action {expected}") and env.hint() in check.reason
-        )
+        assert not check.valid
+        assert check.reason.startswith(rule.split()[0]) and rule.split()[-1] in check.reason
+        assert check.reason.endswith(f"next expected action {expected}")
+        assert env.hint() in check.reason
     assert env.turns == 0 and env.messages == []  # checking never executes
     assert expected in env.rubric_text()
+
+
+def test_users_docstring_examples():
+    assert doctest.testmod(tau2_users).failed == 0
 
 
 def test_scripted_user_never_hands_over_the_script(tau2):
     task = envs.env_tasks("tau2-airline", "base")[0]
     ins = task.task.user_scenario.instructions
-    env = make_env(task, t2.ScriptedUser(max_replies=2))
+    env = make_env(task, tau2_users.ScriptedUser(max_replies=2))
     first = env.reset()
     assert first.startswith("I am") and "reservation EHGLP3" in first and "You " not in first
-    assert (
-        ins.task_instructions.strip()[:40] not in first and "out of town" not in first
-    )  # a later paragraph
-    assert env.messages[0].content == t2.GREETING
+    # nor a later paragraph
+    assert ins.task_instructions.strip()[:40] not in first and "out of town" not in first
+    assert env.messages[0].content == tau2_users.GREETING
     replies = [env.step("Could you confirm?") for _ in range(3)]
-    assert (
-        env.done
-        and env.stopped
-        and replies[-1][0] == t2.USER_STOP
-        and env.observation_role == "user"
-    )
+    assert env.done and env.stopped
+    assert replies[-1][0] == tau2_users.USER_STOP and env.observation_role == "user"
     solo = play(envs.env_tasks("tau2-telecom", "test")[0], ["hello there"])
     assert solo.observations[0].startswith("error: not a tool call (solo mode")
 
@@ -268,9 +270,8 @@ def test_qwen3_chat_renders_tau2_tools_policy_and_user_turns(tau2):
     piece = tok.decode(chat.turn_ids(reply, env.observation_role))
     assert "<tool_response>" not in piece and f"<|im_start|>user\n{reply}<|im_end|>" in piece
     telecom_chat = ToolChat(tok, env="tau2-telecom")  # solo: text is no action
-    assert telecom_chat.action_text(tok("fix it").input_ids + [chat.eos_id]).startswith(
-        "invalid tool call"
-    )
+    fix_it = tok("fix it").input_ids + [chat.eos_id]
+    assert telecom_chat.action_text(fix_it).startswith("invalid tool call")
 
 
 def test_env_flags_are_validated(tau2):
@@ -289,8 +290,9 @@ def test_env_flags_are_validated(tau2):
 
 
 def test_tiny_model_run_on_telecom_completes(telecom, tmp_path, capsys):
-    """Plumbing: a random tiny model (vocabulary from the domain's texts) trains two RTI steps on telecom solo, with
-    rule corrections that make successes, then `python rti.py eval` evaluates the saved model on the test split."""
+    """Plumbing: a random tiny model (vocabulary from the domain's texts) trains two RTI steps on
+    telecom solo, with rule corrections that make successes, then `python rti.py eval` evaluates
+    the saved model on the test split."""
     cfg = rti.make_config(
         env="tau2-telecom",
         model="tiny",
@@ -335,13 +337,19 @@ def test_tiny_model_run_on_telecom_completes(telecom, tmp_path, capsys):
 
 
 def test_model_user_sees_the_scenario_flipped_and_replays_the_same(tau2):
-    """The LLM user (ModelUser, here a random tiny model) gets the scenario and the conversation with roles flipped;
-    greedy decoding gives the same reply on a replay, so intervene.py's replays see the same observations."""
+    """The LLM user (ModelUser, here a random tiny model) gets the scenario and the conversation
+    with roles flipped; greedy decoding gives the same reply on a replay, so intervene.py's replays
+    see the same observations."""
     model, tok = rti.load_model("tiny")
-    user = t2.ModelUser(model, tok, max_new=6)
+    user = tau2_users.ModelUser(model, tok, max_new=6)
     seen = []
     render = tok.apply_chat_template
-    tok.apply_chat_template = lambda msgs, **kw: seen.append(msgs) or render(msgs, **kw)
+
+    def recording(msgs, **kw):
+        seen.append(msgs)
+        return render(msgs, **kw)
+
+    tok.apply_chat_template = recording
     task = envs.env_tasks("tau2-retail", "test")[0]
     env = make_env(task, user)
     first = env.reset()
@@ -350,45 +358,40 @@ def test_model_user_sees_the_scenario_flipped_and_replays_the_same(tau2):
     again = make_env(task, user)
     assert again.reset() == first and again.step("What is your order number?")[0] == obs
     assert system["role"] == "system" and str(task.task.user_scenario) in system["content"]
-    assert [t["role"] for t in turns] == [
-        "user",
-        "assistant",
-        "user",
-    ]  # agent -> user, user -> assistant
-    assert (
-        turns[0]["content"] == t2.GREETING and turns[-1]["content"] == "What is your order number?"
-    )
-    assert (
-        str(task.task.user_scenario) not in first or first == t2.USER_STOP
-    )  # the agent gets only replies
-    assert t2.Tau2Retail.make_user("scripted", None).__class__ is t2.ScriptedUser
+    # agent -> user, user -> assistant
+    assert [t["role"] for t in turns] == ["user", "assistant", "user"]
+    assert turns[0]["content"] == tau2_users.GREETING
+    assert turns[-1]["content"] == "What is your order number?"
+    # the agent gets only replies
+    assert str(task.task.user_scenario) not in first or first == tau2_users.USER_STOP
+    assert t2.Tau2Retail.make_user("scripted", None).__class__ is tau2_users.ScriptedUser
     assert t2.Tau2Telecom.make_user("", None) is None
 
 
 def test_user_replies_are_user_turns_in_rollouts_and_corrector_contexts(tau2):
-    """With a Qwen3 template, a random model's plain-text turns are messages to the (scripted) retail user; its
-    replies enter the sequence as user turns, and the self-corrector's context renders them the same way."""
+    """With a Qwen3 template, a random model's plain-text turns are messages to the (scripted)
+    retail user; its replies enter the sequence as user turns, and the self-corrector's context
+    renders them the same way."""
     from test_scale import qwen3_style_tokenizer
 
     tok = qwen3_style_tokenizer()
     model = rti.build_tiny_model(len(tok), seed=0)
-    model.config.eos_token_id, model.config.pad_token_id = tok.eos_token_id, tok.pad_token_id
+    model.config.eos_token_id = tok.eos_token_id
+    model.config.pad_token_id = tok.pad_token_id
     policy = rti.Sampler(
         model,
         tok,
         max_turn_tokens=8,
         seed=0,
         env="tau2-retail",
-        user=t2.ScriptedUser(),
+        user=tau2_users.ScriptedUser(),
         chat=ToolChat(tok, env="tau2-retail"),
     )
     t = rti.rollout(policy, envs.env_tasks("tau2-retail", "test")[:1], 1, seed=0)[0]
     assert t2.parse_call(t.actions[0]) is None and t.actions[0] and "invalid" not in t.actions[0]
     reply = t.observations[1]
-    assert (
-        reply == "Yes, please go ahead."
-        and f"<|im_start|>user\n{reply}<|im_end|>" in tok.decode(t.ids)
-    )
+    assert reply == "Yes, please go ahead."
+    assert f"<|im_start|>user\n{reply}<|im_end|>" in tok.decode(t.ids)
     env = policy.make_env(t.task)
     env.reset()
     env.step(t.actions[0])

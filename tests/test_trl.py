@@ -1,6 +1,7 @@
-"""extras/trl_rti.py inside TRL 1.16: stock GRPOTrainer on NavigationToolEnv, RTIGRPOTrainer, the loss mapping.
+"""extras/trl_rti.py inside TRL 1.16: stock GRPOTrainer on NavigationToolEnv, RTIGRPOTrainer, the
+loss mapping.
 
-Skipped without trl. Tiny sizes, one thread: the file runs in well under 90 s on a 2-core CPU."""
+Skipped without trl. Tiny sizes, one thread."""
 
 import math
 import os
@@ -42,16 +43,18 @@ def changed(before, model):
     return any(not torch.equal(before[k], v) for k, v in model.named_parameters())
 
 
-# ----------------------------------------------------------------------------- the tool-call adapter
+# ----------------------------------------------------------------------------- tool-call adapter
 
 
 def test_tool_template_renders_what_our_rollout_feeds_the_model():
-    """TRL builds a tool episode as prompt + sampled ids + the suffix of each tool message; with TOOL_TEMPLATE these
-    are exactly the ids rti.Chat gives our rollout, so the tiny model sees its training format in TRL too."""
+    """TRL builds a tool episode as prompt + sampled ids + the suffix of each tool message; with
+    TOOL_TEMPLATE these are exactly the ids rti.Chat gives our rollout, so the tiny model sees its
+    training format in TRL too."""
     from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
 
     model, tok = warm()
-    ttok, chat = trl_rti.tool_tokenizer(tok), trl_rti.Sampler(model, tok).chat
+    ttok = trl_rti.tool_tokenizer(tok)
+    chat = trl_rti.Sampler(model, tok).chat
     assert supports_tool_calling(ttok) and is_chat_template_prefix_preserving(ttok)
     env = envs.Navigation(envs.make_tasks("train")[0])
     first = env.reset()
@@ -100,6 +103,20 @@ def test_parser_reads_actions_as_tool_calls_and_stops_after_the_episode():
     assert "tool_calls" not in ttok.parse_response(ids, prefix=over)
 
 
+def test_env_tools_are_described_once_by_navigation_tools():
+    """TRL reads each tool's schema from its docstring; NavigationTools writes them, so TRL's tools
+    and ToolChat's are one description."""
+    from transformers.utils import get_json_schema
+
+    env = trl_rti.NavigationToolEnv()
+    for tool in trl_rti.NavigationTools.tools():
+        ours = tool["function"]
+        theirs = get_json_schema(getattr(env, ours["name"]))["function"]
+        assert theirs["description"] == ours["description"]
+        assert theirs["parameters"]["properties"] == ours["parameters"]["properties"]
+        assert theirs["parameters"].get("required", []) == ours["parameters"]["required"]
+
+
 def test_env_tools_step_the_task_and_reward_is_the_rubric():
     task = envs.make_tasks("train")[0]
     row = trl_rti.navigation_dataset([task])[0]
@@ -118,15 +135,14 @@ def test_env_tools_step_the_task_and_reward_is_the_rubric():
     assert env.get_reward() == 0.0
 
 
-# ----------------------------------------------------------------------------- stock GRPOTrainer + our environment
+# ----------------------------------------------------------------------------- stock GRPOTrainer
 
 
 def test_stock_grpo_trainer_trains_on_the_navigation_env(tmp_path):
     model, tok = warm()
     before = params(model)
-    data = trl_rti.navigation_dataset(
-        envs.make_tasks("easy")[:4]
-    )  # tasks the warm start solves at times
+    # tasks the warm start solves at times
+    data = trl_rti.navigation_dataset(envs.make_tasks("easy")[:4])
     trainer = trl_rti.GRPOTrainer(
         model=model,
         processing_class=trl_rti.tool_tokenizer(tok),
@@ -144,9 +160,8 @@ def test_stock_grpo_trainer_trains_on_the_navigation_env(tmp_path):
     trainer.train()
     logs = [r for r in trainer.state.log_history if "loss" in r]
     assert len(logs) == 2 and all(math.isfinite(r["loss"]) for r in logs)
-    assert all(
-        r["tools/call_frequency"] > 3 for r in logs
-    )  # multi-turn episodes, not one-shot answers
+    # multi-turn episodes, not one-shot answers
+    assert all(r["tools/call_frequency"] > 3 for r in logs)
     assert any(r["rewards/NavigationToolEnv/mean"] > 0 for r in logs)
     assert any(r["frac_reward_zero_std"] < 1 for r in logs)
     assert changed(before, model)
@@ -156,7 +171,8 @@ def test_stock_grpo_trainer_trains_on_the_navigation_env(tmp_path):
 
 
 def failing_tasks(n, seed):
-    """n train tasks whose G episodes all fail under the warm start at the trainer's first rollout seed."""
+    """n train tasks whose G episodes all fail under the warm start at the trainer's first rollout
+    seed."""
     model, tok = warm()
     tasks = envs.make_tasks("train")[:48]
     trajs = trl_rti.rollout(trl_rti.Sampler(model, tok), tasks, G, trl_rti.rollout_seed(seed, 0))
@@ -167,8 +183,9 @@ def failing_tasks(n, seed):
 
 @pytest.fixture(scope="module")
 def rti_run(tmp_path_factory):
-    """One optimizer step of RTIGRPOTrainer on 2 all-failing groups; two micro-batches (gradient accumulation 2),
-    so TRL shuffles the generation batch and splits it. Records what _compute_loss received."""
+    """One optimizer step of RTIGRPOTrainer on 2 all-failing groups; two micro-batches (gradient
+    accumulation 2), so TRL shuffles the generation batch and splits it. Records what _compute_loss
+    received."""
     torch.set_num_threads(1)
     tasks = failing_tasks(2, seed=0)
     model, tok = warm()
@@ -218,21 +235,22 @@ def test_rti_trainer_per_token_tensors_stay_aligned_after_shuffle_and_split(rti_
             assert match, "a row of the loss batch is no trajectory of the rollout"
             j = match[0]
             order.append(j)
-            t, c = trajs[j], len(p)
+            t = trajs[j]
+            c = len(p)
             assert b["rti_source"][i, :n].tolist() == t.source[c:]
             assert torch.allclose(b["rti_behavior_logps"][i, :n], torch.tensor(t.sample_logp[c:]))
             assert b["tool_mask"][i, :n].tolist() == t.loss_mask[c:]
             assert (b["rti_source"][i, n:] == POLICY).all() and (b["tool_mask"][i, n:] == 0).all()
-    assert sorted(order) == list(range(len(trajs))) and order != list(
-        range(len(trajs))
-    )  # all rows, shuffled
+    # all rows, shuffled
+    assert sorted(order) == list(range(len(trajs))) and order != list(range(len(trajs)))
     assert any((b["rti_source"] == INTERVENED).any() for b in seen)
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
 def test_loss_equals_trl_loss_on_policy_tokens(loss_type, tmp_path):
-    """With every token POLICY, loss.policy_loss under the loss_type mapping and TRL's accumulation scaling gives
-    TRL's own loss and gradient (old log-probs perturbed so ratios and clipping are not trivial)."""
+    """With every token POLICY, loss.policy_loss under the loss_type mapping and TRL's accumulation
+    scaling gives TRL's own loss and gradient (old log-probs perturbed so ratios and clipping are
+    not trivial)."""
     model, tok = warm()
     args = trl_rti.trl_args(
         str(tmp_path),
@@ -261,9 +279,8 @@ def test_loss_equals_trl_loss_on_policy_tokens(loss_type, tmp_path):
             model, ids, attn, ids.size(1) - batch["prompt_ids"].size(1)
         )[0]
     batch["old_per_token_logps"] = lp + 0.3 * torch.randn(lp.shape, generator=g) * mask
-    half = {
-        k: (v[:G] if torch.is_tensor(v) and v.dim() else v) for k, v in batch.items()
-    }  # one micro-batch
+    # one micro-batch
+    half = {k: (v[:G] if torch.is_tensor(v) and v.dim() else v) for k, v in batch.items()}
     model.train()
     trainer.current_gradient_accumulation_steps = 2  # what Trainer's loop sets for this window
     ours = trainer._compute_loss(model, half)

@@ -1,0 +1,255 @@
+"""The method comparison's report: its tables in markdown and CSV; optional (extras/).
+
+extras/compare.py trains the runs and calls these functions on what they wrote: each run's
+results (test metrics before and after, and per-task successes) and its metrics log, read as
+`logs` {(method, seed): [one dict per step]}. The report is compare.md (the Table 3 rows, the
+beyond-the-boundary shares, RTI - GRPO per seed, p@1 over training, what the update saw, what
+the corrections write) and compare.csv (one row per run).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import loss
+from evaluate import COLUMNS, format_table
+
+# the warm start's capability boundary: the test tasks it never solves in this many samples each
+BOUNDARY_SAMPLES = 16
+
+
+def per_step(rows: list[dict], key: str) -> dict[int, float]:
+    """{step: value} of `key` in a metrics log, NaN values left out."""
+    return {r["step"]: r[key] for r in rows if key in r and r[key] == r[key]}
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    m = sum(xs) / len(xs)
+    return m, (sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)) ** 0.5
+
+
+def has_grpo_and_rti(methods) -> bool:
+    """Whether `methods` hold GRPO and RTI both: the report's gaps, mechanics and figures compare
+    the two."""
+    return {"GRPO", "RTI"} <= set(methods)
+
+
+def methods_of(results: dict) -> list[str]:
+    return list(dict.fromkeys(name for name, _ in results))  # in the order they were run
+
+
+def boundary(
+    results: dict, warm_tasks: list[list[bool]], seeds: list[int]
+) -> tuple[int, dict[str, float]]:
+    """The number of test tasks the warm-started policy never solves in its BOUNDARY_SAMPLES
+    samples, and the share of them (%) each trained policy solves at least once in its evaluation
+    samples (averaged over seeds)."""
+    never = [i for i, s in enumerate(warm_tasks) if not any(s)]
+    out = {}
+    for name in methods_of(results):
+        shares = [
+            100.0 * sum(any(results[(name, s)]["after_tasks"][i]) for i in never) / len(never)
+            for s in seeds
+            if never
+        ]
+        out[name] = sum(shares) / len(shares) if shares else float("nan")
+    return len(never), out
+
+
+def curve_table(logs: dict, seeds: list[int], start_p1: float, methods: list[str]) -> list[str]:
+    """Test p@1 at every evaluation, mean over seeds (and each seed's RTI - GRPO gap), as markdown
+    lines; step 0 is the warm start's `start_p1`."""
+    p1 = {
+        (name, s): {0: start_p1, **per_step(logs[(name, s)], "test/p@1")}
+        for name in methods
+        for s in seeds
+    }
+    steps = sorted(set.intersection(*(set(v) for v in p1.values())))
+    lines = [
+        "| p@1 at step | " + " | ".join(map(str, steps)) + " |",
+        "| --- |" + " --- |" * len(steps),
+    ]
+    for name in methods:
+        means = [sum(p1[(name, s)][t] for s in seeds) / len(seeds) for t in steps]
+        lines.append(f"| {name} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
+    if has_grpo_and_rti(methods):
+        for s in seeds:
+            gaps = [p1[("RTI", s)][t] - p1[("GRPO", s)][t] for t in steps]
+            lines.append(
+                f"| RTI - GRPO, seed {s} | " + " | ".join(f"{g:+.2f}" for g in gaps) + " |"
+            )
+    return lines
+
+
+# (row label, method, metrics key, scale): what the update saw, step by step
+MECHANICS = [
+    ("train success, sampled (%)", "GRPO", "train_success", 100),
+    ("train success, sampled (%)", "RTI", "train_success", 100),
+    ("train success after intervention (%)", "RTI", "train_success_after_rti", 100),
+    ("groups triggered (%)", "RTI", "rti/trigger_rate", 100),
+    ("trained rows a step", "GRPO", "trained_rows", 1),
+    ("trained rows a step", "RTI", "trained_rows", 1),
+    ("intervened share of trained tokens (%)", "RTI", "intervened_frac", 100),
+    ("intervened ratio, mean of step means", "RTI", "intervened/ratio_mean", 1),
+    ("intervened ratio, mean of step maxima", "RTI", "intervened/ratio_max", 1),
+    ("intervened tokens clipped (%)", "RTI", "intervened/clip_frac", 100),
+    ("policy tokens clipped (%)", "GRPO", "policy/clip_frac", 100),
+    ("policy tokens clipped (%)", "RTI", "policy/clip_frac", 100),
+    ("token weight, mean of step maxima", "RTI", "weight_max", 1),
+]
+
+
+def mechanics_table(logs: dict, seeds: list[int], block: int = 8) -> list[str]:
+    """MECHANICS' metrics averaged over each block of `block` steps and over seeds, plus GRPO's
+    sampled train success per seed, as markdown lines. A step without the metric sits out, and so
+    does a step with no intervened token from the intervened tokens' ratios and the token weights
+    (the loss gives such a step ratio 1 and weight 1)."""
+    last = max(r["step"] for rows in logs.values() for r in rows)
+    blocks = [(a, min(a + block - 1, last)) for a in range(1, last + 1, block)]
+
+    def cell(runs: list[dict[int, float]], scale: float, lo: int, hi: int) -> str:
+        vals = [v for r in runs for t, v in r.items() if lo <= t <= hi]
+        return f"{scale * sum(vals) / len(vals):.2f}" if vals else "-"
+
+    def values(rows: list[dict], key: str) -> dict[int, float]:
+        intervened_only = key.startswith(("intervened/", "weight_"))
+        frac = per_step(rows, "intervened_frac")
+        return {
+            t: v
+            for t, v in per_step(rows, key).items()
+            if not intervened_only or frac.get(t, 0) > 0
+        }
+
+    specs = [
+        (f"{name} {label}", [values(logs[(name, s)], key) for s in seeds], scale)
+        for label, name, key, scale in MECHANICS
+    ]
+    for s in seeds:
+        label = f"GRPO train success, sampled (%), seed {s}"
+        specs.append((label, [per_step(logs[("GRPO", s)], "train_success")], 100))
+    lines = [
+        "| steps | " + " | ".join(f"{a}-{b}" for a, b in blocks) + " |",
+        "| --- |" + " --- |" * len(blocks),
+    ]
+    for label, runs, scale in specs:
+        lines.append(
+            f"| {label} | " + " | ".join(cell(runs, scale, a, b) for a, b in blocks) + " |"
+        )
+    return lines
+
+
+def training_minutes(logs: dict, seeds: list[int], methods) -> str:
+    """Each method's training time a run (the sum of its step times, evaluations left out), mean
+    over seeds, as a report line."""
+    mins = {
+        name: sum(sum(r.get("time/step", 0) for r in logs[(name, s)]) for s in seeds)
+        / len(seeds)
+        / 60
+        for name in methods
+    }
+    return (
+        "Training time a run (sum of step times, mean over seeds; evaluations not counted): "
+        + ", ".join(f"{name} {m:.1f} min" for name, m in mins.items())
+    )
+
+
+def rewritten_actions(trajs: list) -> Counter:
+    """The actions the corrector wrote (the turns whose tokens are INTERVENED) in the intervened
+    trajectories of a batch, by action word: `route` (the tool call), `move` (back onto the held
+    route), `finish`."""
+    return Counter(
+        a.split()[0] if a.split() else "(empty)"
+        for t in trajs
+        if t.intervention
+        for (start, _), a in zip(t.turns, t.actions)
+        if t.source[start] == loss.INTERVENED
+    )
+
+
+def corrections_written(batch: list, source: str) -> str:
+    """What the corrections teach, as a report line: rewritten_actions of the corrections RTI kept
+    in an intervened `batch` of 8 samples a task, sampled from the model `source`."""
+    words = rewritten_actions(batch)
+    n = sum(words.values())
+    kept = sum(1 for t in batch if t.intervention)
+    shares = ", ".join(f"{w} {c} ({100 * c / max(1, n):.1f}%)" for w, c in words.most_common())
+    return (
+        f"What the corrections write (`compare_report.corrections_written`): on "
+        f"{len({t.group for t in batch})} train tasks x 8 from {source}, RTI keeps {kept} "
+        f"corrected trajectories with {n} rewritten turns: " + shares
+    )
+
+
+def write_report(
+    results: dict,
+    warm: tuple,
+    seeds: list[int],
+    out,
+    wall: float,
+    command: str,
+    curves: list[str] = (),
+    mechanics: list[str] = (),
+    split: str = "test",
+) -> None:
+    """compare.md and compare.csv under `out`, and the report printed. `results`: {(method, seed):
+    the run's results.json}; `warm`: the warm start's (summary, per-task successes) on `split`, the
+    runs' --test-split; `curves` and `mechanics`: lines of curve_table and mechanics_table, if
+    given; `wall`: seconds this invocation took; `command`: the command line that reproduces it."""
+    keys = [k for k, _ in COLUMNS]
+    warm_summary, warm_tasks = warm
+    rows = {f"warm start ({BOUNDARY_SAMPLES} samples)": warm_summary}
+    spread = {}
+    csv = ["method,seed," + ",".join(keys)]
+    for name in methods_of(results):
+        per_seed = [results[(name, s)]["after"] for s in seeds]
+        rows[name] = {k: mean_std([r[k] for r in per_seed])[0] for k in keys}
+        spread[name] = mean_std([r["p@1"] for r in per_seed])[1]
+        for s, r in zip(seeds, per_seed):
+            csv.append(f"{name},{s}," + ",".join(f"{r[k]:.2f}" for k in keys))
+    n_never, never = boundary(results, warm_tasks, seeds)
+    lines = [
+        f"Command: `{command}` ({len(seeds)} seeds; this invocation {wall / 60:.1f} min, a resumed "
+        f"one counts only its own part)",
+        "",
+        format_table(rows),
+        "",
+        f"Beyond the boundary: {n_never} of {len(warm_tasks)} {split} tasks are never solved by "
+        f"the warm start in {BOUNDARY_SAMPLES} samples; the last column is the share of them a "
+        f"trained policy solves in its evaluation samples (mean over seeds).",
+        "",
+        "| method | p@1 std over seeds | solves never-solved tasks (%) |",
+        "| --- | --- | --- |",
+    ]
+    for name in methods_of(results):
+        std = f"{spread[name]:.2f}" if len(seeds) > 1 else "-"
+        lines.append(f"| {name} | {std} | {never[name]:.1f} |")
+    gap = []
+    if has_grpo_and_rti(methods_of(results)):
+        gap = [
+            results[("RTI", s)]["after"]["p@1"] - results[("GRPO", s)]["after"]["p@1"]
+            for s in seeds
+        ]
+    if gap:
+        lines += [
+            "",
+            f"RTI minus GRPO p@1 per seed: {', '.join(f'{g:+.2f}' for g in gap)} "
+            f"(mean {sum(gap) / len(gap):+.2f})",
+        ]
+    if curves:
+        lines += [
+            "",
+            f"p@1 on {split} over training, mean over seeds (step 0: the warm start, "
+            f"{BOUNDARY_SAMPLES} samples a task; then the runs' 4):",
+            "",
+            *curves,
+        ]
+    if mechanics:
+        lines += [
+            "",
+            "What the update saw, mean over seeds and over each block of steps:",
+            "",
+            *mechanics,
+        ]
+    (out / "compare.md").write_text("\n".join(lines) + "\n")
+    (out / "compare.csv").write_text("\n".join(csv) + "\n")
+    print("\n".join(lines))
