@@ -10,7 +10,7 @@ import torch
 import envs
 import rti
 from extras import warmstart
-from loss import INTERVENED, POLICY, policy_loss
+from loss import POLICY, policy_loss
 
 
 @pytest.fixture(scope="module")
@@ -251,20 +251,21 @@ def test_teacher_sequence_hint_tokens_are_not_trained(tiny):
     assert 1.0 in w and 0.5 in w
 
 
+def teacher_actions(chat, task, route_frac: float) -> list[str]:
+    """The actions of the warm-start teacher's episode of `task` (no hints)."""
+    ids, _ = warmstart.teacher_sequence(chat, task, random.Random(0), 0.0, 1.0, route_frac)
+    turns = chat.tok.decode(ids).split("<|assistant|>")[1:]
+    return [" ".join(turn.split("<|im_end|>")[0].split()) for turn in turns]
+
+
 def test_teacher_routes_the_share_of_legs_it_is_told_and_always_succeeds(tiny):
     chat = rti.Chat(tiny[1])
     for task in easy_tasks(8):
-
-        def actions(route_frac):
-            ids, _ = warmstart.teacher_sequence(chat, task, random.Random(0), 0.0, 1.0, route_frac)
-            acts = [w for w in chat.tok.decode(ids).split("<|assistant|>")[1:]]
-            return [" ".join(a.split("<|im_end|>")[0].split()) for a in acts]
-
-        oracle, walker = actions(1.0), actions(0.0)
+        oracle = teacher_actions(chat, task, route_frac=1.0)
+        walker = teacher_actions(chat, task, route_frac=0.0)
         assert oracle == envs.optimal_actions(task)  # every leg: route, then follow it
-        assert (
-            "route" not in walker and envs.run_actions(task, walker).score().success
-        )  # shortest moves only
+        # shortest moves only
+        assert "route" not in walker and envs.run_actions(task, walker).score().success
         assert len(walker) == len(oracle) - len(task.waypoints)
 
 
