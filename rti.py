@@ -1363,25 +1363,41 @@ def make_config(cls=Config, **flags):
     return cls(**top, **nested)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Prints each flag's default after its help text, an empty string as ''."""
+
+    def _get_help_string(self, action):
+        if action.default == "" and "%(default)" not in (action.help or ""):
+            return f"{action.help} (default: '')"
+        return super()._get_help_string(action)
+
+
 def build_parser(cls=Config, commands=("train", "eval"), prog="rti.py") -> argparse.ArgumentParser:
     """The command line of a config class: a flag per field, with the help text and choices of
-    the field's metadata, grouped by the config that owns it."""
+    the field's metadata, grouped by the config that owns it; the description is the first line
+    of the docstring of the module that defines `cls`."""
+    module = sys.modules[cls.__module__]
     p = argparse.ArgumentParser(
         prog=prog,
-        description="RTI: Rollout-Time Intervention for agentic RL.",
+        description=(module.__doc__ or "").strip().split("\n")[0],
         usage=f"python {prog} [{' | '.join(commands)}] [MODEL_DIR] [--flag VALUE ...]",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("command", nargs="?", default=commands[0], choices=commands, help="what to run")
-    p.add_argument("path", nargs="?", help="eval: the model directory to evaluate")
+    p.add_argument("path", nargs="?", help="a model directory, for the commands that read one")
+    run_fields = {f.name for f in dataclasses.fields(Config)}
     groups = {None: p.add_argument_group("run (rti.py)")}
+    if cls is not Config:
+        groups[cls.__name__] = p.add_argument_group(f"{cls.__name__} ({prog.removeprefix('-m ')})")
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(f.default_factory):
-            module = f.default_factory.__module__
-            groups[f.name] = p.add_argument_group(f"{f.name} ({module}.py)")
+            nested_module = f.default_factory.__module__
+            groups[f.name] = p.add_argument_group(f"{f.name} ({nested_module}.py)")
     for parent, f in flag_fields(cls):
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "")
+        if parent is None and f.name not in run_fields:
+            parent = cls.__name__  # a field the subclass adds
         if f.type in ("bool", bool):
             groups[parent].add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
