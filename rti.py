@@ -40,6 +40,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
+    DynamicLayer,
     PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -762,14 +763,47 @@ def sample_token(
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
 
+class KVBuffer(DynamicLayer):
+    """One layer's KV cache in a preallocated buffer that doubles when full: a fed token is
+    written in place, where transformers' DynamicLayer copies the whole cache (torch.cat) at
+    every forward. `keys` and `values` are views of the filled part, as DynamicLayer's."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.set(key_states[:, :, :0], value_states[:, :, :0])
+        end = self.keys.shape[-2] + key_states.shape[-2]
+        if end > self.key_buffer.shape[-2]:
+            self.set(self.keys, self.values, capacity=2 * end)
+        start = self.keys.shape[-2]
+        self.key_buffer[:, :, start:end] = key_states
+        self.value_buffer[:, :, start:end] = value_states
+        self.keys = self.key_buffer[:, :, :end]
+        self.values = self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def set(self, keys, values, capacity: int = 0) -> None:
+        """Hold `keys` and `values` ([rows, heads, slots, head_dim]) in a new buffer with room for
+        `capacity` slots (at least twice theirs)."""
+        rows, heads, slots, head_dim = keys.shape
+        capacity = max(capacity, 2 * slots, 64)
+        self.key_buffer = keys.new_empty(rows, heads, capacity, head_dim)
+        self.value_buffer = values.new_empty(rows, heads, capacity, head_dim)
+        self.key_buffer[:, :, :slots] = keys
+        self.value_buffer[:, :, :slots] = values
+        self.keys = self.key_buffer[:, :, :slots]
+        self.values = self.value_buffer[:, :, :slots]
+
+
 class DecodeSession:
     """N rows decoded in lockstep through one KV cache that is kept across turns.
 
     Rows grow independently: a call that feeds tokens to some rows pads the others with masked
     slots (holes), and position ids count only real tokens, so each row computes exactly what it
     would alone (tests check this), but for a sliding-window layer, whose window counts holes too.
-    `keep` drops finished rows and packs out holes; `retract` masks a row's latest tokens out (to
-    replace a turn)."""
+    The last token of a sampled turn is not fed at once: it waits (`pending`) and goes in with
+    the next chunk, which saves one forward pass a turn. `keep` drops finished rows and packs out
+    holes; `retract` takes a row's latest turn back (to replace it)."""
 
     def __init__(
         self, model, prefixes: list[list[int]], pad_id: int, seeds: list[int] | None = None
@@ -783,21 +817,30 @@ class DecodeSession:
         # one sampling stream per row
         self.gens = [torch.Generator(device=device).manual_seed(int(s) % 2**63) for s in seeds]
         self.cache = DynamicCache(config=model.config)
+        if not any(self.cache.is_sliding):
+            self.cache.layers = [KVBuffer() for _ in self.cache.layers]
         self.mask = torch.zeros(self.n, 0, dtype=torch.long, device=device)
         # real tokens per row
         self.length = torch.zeros(self.n, dtype=torch.long, device=device)
         self.last_logits = torch.zeros(self.n, model.config.vocab_size, device=device)
         # the cache slot of each real token, per row
         self.real_slots: list[list[int]] = [[] for _ in range(self.n)]
+        # the last token of each row's latest turn, until the next feed takes it in
+        self.pending: list[list[int]] = [[] for _ in range(self.n)]
         # next-token logits before the latest turn, per row (for retract)
         self.saved_logits: dict[int, torch.Tensor] = {}
         self.feed(list(range(self.n)), prefixes)
 
     @torch.no_grad()
     def feed(self, rows: list[int], chunks: list[list[int]]) -> None:
-        """Append chunks[i] to row rows[i] in one forward pass; those rows' next-token logits are
-        updated."""
-        rows_chunks = [(r, c) for r, c in zip(rows, chunks) if len(c) > 0]
+        """Append chunks[i] (after the row's pending token, if any) to row rows[i] in one forward
+        pass; those rows' next-token logits are updated."""
+        rows_chunks = []
+        for r, chunk in zip(rows, chunks):
+            tokens = self.pending[r] + list(chunk)
+            self.pending[r] = []
+            if tokens:
+                rows_chunks.append((r, tokens))
         if not rows_chunks:
             return
         device = self.mask.device
@@ -831,7 +874,10 @@ class DecodeSession:
     def sample_turn(
         self, rows: list[int], max_new: int, eos_id: int, temperature: float, top_p: float
     ) -> tuple[list[list[int]], list[list[float]]]:
-        """Sample one agent turn (up to max_new tokens, stopping at eos) for each row in `rows`."""
+        """Sample one agent turn (up to max_new tokens, stopping at eos) for each row in `rows`;
+        each turn's last token is left pending."""
+        waiting = [r for r in rows if self.pending[r]]
+        self.feed(waiting, [[] for _ in waiting])  # a pending token must be in before sampling
         ids_out = [[] for _ in rows]
         logp_out = [[] for _ in rows]
         live = list(range(len(rows)))
@@ -844,8 +890,11 @@ class DecodeSession:
             for j, i in enumerate(live):
                 ids_out[i].append(int(tokens[j]))
                 logp_out[i].append(float(logps[j]))
-            self.feed(live_rows, [[ids_out[i][-1]] for i in live])
-            live = [i for i in live if ids_out[i][-1] != eos_id and len(ids_out[i]) < max_new]
+            going = [i for i in live if ids_out[i][-1] != eos_id and len(ids_out[i]) < max_new]
+            for i in set(live) - set(going):
+                self.pending[rows[i]] = [ids_out[i][-1]]
+            self.feed([rows[i] for i in going], [[ids_out[i][-1]] for i in going])
+            live = going
         return ids_out, logp_out
 
     @torch.no_grad()
@@ -855,29 +904,28 @@ class DecodeSession:
         holes stop costing compute and memory."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
         real = [self.real_slots[r] for r in rows]
-        columns = None
         if any(self.cache.is_sliding):
             # a sliding-window layer keeps its last columns only: drop rows, keep the holes
             self.mask = self.mask[idx]
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[idx]
+                layer.values = layer.values[idx]
         else:
             # columns[i, j]: the cache slot of row i's j-th real token, -1 past its end
             columns = pad_rows(real, -1, torch.long, idx.device)
             self.mask = (columns >= 0).long()
             columns = columns.clamp(min=0)
             real = [list(range(len(slots))) for slots in real]
-        for layer in self.cache.layers:
-            layer.keys = layer.keys[idx]
-            layer.values = layer.values[idx]
-            if columns is not None:
+            for layer in self.cache.layers:
                 heads = layer.keys.shape[1]
                 head_dim = layer.keys.shape[-1]
                 at = columns[:, None, :, None].expand(-1, heads, -1, head_dim)
-                layer.keys = layer.keys.gather(2, at)
-                layer.values = layer.values.gather(2, at)
+                layer.set(layer.keys[idx].gather(2, at), layer.values[idx].gather(2, at))
         self.real_slots = real
         self.length = self.length[idx]
         self.last_logits = self.last_logits[idx]
         self.gens = [self.gens[r] for r in rows]
+        self.pending = [self.pending[r] for r in rows]
         self.n = len(rows)
         self.saved_logits = {
             i: self.saved_logits[r] for i, r in enumerate(rows) if r in self.saved_logits
@@ -885,13 +933,16 @@ class DecodeSession:
 
     @torch.no_grad()
     def retract(self, row: int, n_tokens: int) -> None:
-        """Mask out the row's last n_tokens (they become holes); its next-token logits return to
-        what they were before them."""
-        kept = len(self.real_slots[row]) - n_tokens
+        """Take back the row's latest turn of n_tokens: its pending last token is dropped and the
+        others are masked out (they become holes); its next-token logits return to what they were
+        before the turn."""
+        n_fed = n_tokens - len(self.pending[row])
+        self.pending[row] = []
+        kept = len(self.real_slots[row]) - n_fed
         slots = self.real_slots[row][kept:]
         del self.real_slots[row][kept:]
         self.mask[row, slots] = 0
-        self.length[row] -= n_tokens
+        self.length[row] -= n_fed
         self.last_logits[row] = self.saved_logits[row]
 
 
@@ -1161,7 +1212,9 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
     else:
         truncate_metrics(metrics_path, 0)
         if cfg.eval_tasks and cfg.eval_before:
-            results["before"], results["before_tasks"] = run_test(backend, sampler, test_tasks, cfg)
+            results["before"], results["before_tasks"] = run_test(
+                backend, sampler, test_tasks, cfg, progress
+            )
             log(f"before training: test p@1 {results['before']['p@1']:.2f}")
             log_test(metrics_path, 0, results["before"])
 
@@ -1184,7 +1237,7 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
         metrics.update(progress.totals())
         evaluate_now = cfg.eval_every and (step + 1) % cfg.eval_every == 0
         if evaluate_now and cfg.eval_tasks and step + 1 < cfg.steps:
-            summary = run_test(backend, sampler, test_tasks, cfg)[0]
+            summary = run_test(backend, sampler, test_tasks, cfg, progress)[0]
             metrics.update({f"test/{k}": v for k, v in summary.items()})
         append_metrics(metrics_path, metrics)
         bar.set_postfix(
@@ -1196,11 +1249,19 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
     if cfg.method == "rti":
         results["interventions"] = evaluate.run_totals(progress.rti_steps)
     if cfg.eval_tasks:
-        results["after"], results["after_tasks"] = run_test(backend, sampler, test_tasks, cfg)
+        results["after"], results["after_tasks"] = run_test(
+            backend, sampler, test_tasks, cfg, progress
+        )
         log_test(metrics_path, cfg.steps, results["after"])
-        if main_process:
-            run = {"config": dataclasses.asdict(cfg), **results}
-            (out / "results.json").write_text(json.dumps(run))
+    results["seconds"] = {
+        "evaluation": progress.eval_seconds,
+        "rollout": progress.rollout_seconds,
+        "intervention": progress.intervene_seconds,
+        "update": progress.update_seconds,
+    }
+    if cfg.eval_tasks and main_process:
+        run = {"config": dataclasses.asdict(cfg), **results}
+        (out / "results.json").write_text(json.dumps(run))
     backend.save_model(sampler, out / "model")
     return {**results, "sampler": sampler}
 
@@ -1249,9 +1310,13 @@ def learning_rate(step: int, cfg: Config) -> float:
     return cfg.lr * min(1.0, (step + 1) / cfg.warmup_steps)
 
 
-def run_test(backend: Backend, sampler: Sampler, tasks: list, cfg: Config):
-    """(summary, per-task successes) on the test tasks, on evaluation streams of their own."""
-    return backend.evaluate(sampler, tasks, cfg.eval_samples, cfg.seed + EVAL_SEED_OFFSET)
+def run_test(backend: Backend, sampler: Sampler, tasks: list, cfg: Config, progress: Progress):
+    """(summary, per-task successes) on the test tasks, on evaluation streams of their own; the
+    time it takes goes to progress.eval_seconds."""
+    start = time.time()
+    result = backend.evaluate(sampler, tasks, cfg.eval_samples, cfg.seed + EVAL_SEED_OFFSET)
+    progress.eval_seconds += time.time() - start
+    return result
 
 
 def truncate_metrics(path: Path | None, last_step: int) -> None:
@@ -1286,6 +1351,10 @@ class Progress:
     episodes: int = 0  # rollout episodes and RTI's continuations of corrected ones
     generated_tokens: int = 0  # tokens the policy sampled, in every role
     train_seconds: float = 0.0  # time in training steps, evaluations left out
+    rollout_seconds: float = 0.0  # the parts of it: sampling,
+    intervene_seconds: float = 0.0  # RTI's intervention,
+    update_seconds: float = 0.0  # and the update
+    eval_seconds: float = 0.0  # time in evaluations
 
     def add(self, metrics: dict) -> None:
         """Count a finished step (train_step's metrics, with "step" and "time/step")."""
@@ -1294,6 +1363,9 @@ class Progress:
         self.episodes += metrics["sampled_episodes"] + metrics["continued_episodes"]
         self.generated_tokens += metrics["generated_tokens"]
         self.train_seconds += metrics["time/step"]
+        self.rollout_seconds += metrics["time/rollout"]
+        self.intervene_seconds += metrics["time/intervene"]
+        self.update_seconds += metrics["time/update"]
 
     def totals(self) -> dict:
         """The compute so far, as metrics: the x-axes of a comparison at matched compute."""
@@ -1452,6 +1524,9 @@ def report(cfg: Config, res: dict, seconds: float) -> str:
     if "interventions" in res:
         statistics = evaluate.intervention_report(res["interventions"])
         lines.append(f"\ninterventions over the run:\n{statistics}")
+    if "seconds" in res:
+        parts = ", ".join(f"{name} {t:.0f} s" for name, t in res["seconds"].items())
+        lines.append(f"time: {parts}")
     lines.append(
         f"wall time {seconds:.0f} s; metrics in {cfg.out}/metrics.jsonl, model in {cfg.out}/model"
     )

@@ -91,13 +91,13 @@ def bench(
     med = {m: sorted(a + u for a, u, _ in v)[len(v) // 2] for m, v in parts.items()}
     print(
         f"where the after-sampling time goes, mean of {repeats}: intervention / update on the "
-        "trained tokens"
+        "trained tokens (the update's throughput: tokens of the trained rows per second)"
     )
     for m, xs in parts.items():
         inter, upd, toks = (sum(x[k] for x in xs) / len(xs) for k in range(3))
         print(
             f"  {m:8s} intervention {inter:6.2f} s   update {upd:6.2f} s on {toks:6.0f} tokens "
-            f"({1000 * upd / max(1, toks):.2f} ms a token)"
+            f"({toks / max(upd, 1e-9):.0f} tokens/s)"
         )
     roll = sorted(x[2] for x in rates["batched"])[len(rates["batched"]) // 2]
     for name, t in (

@@ -177,6 +177,46 @@ def test_retract_restores_the_state_before_a_turn(tiny):
     assert torch.allclose(s.last_logits[0], ref, atol=1e-4)
 
 
+def test_a_turns_last_token_goes_in_with_the_next_chunk(tiny):
+    """sample_turn leaves each turn's last token pending; the next feed takes it in with the
+    observation, one forward pass for both, and the logits are those of the whole sequence."""
+    model, _ = tiny
+    policy = make_policy(tiny, seed=4)
+    prefix = [5, 6, 7, 8]
+    s = policy.session([prefix])
+    forwards = []
+    hook = model.register_forward_hook(lambda *args: forwards.append(1))
+    ids, _ = policy.sample_turn(s, [0])
+    assert s.pending == [[ids[0][-1]]] and int(s.length[0]) == len(prefix) + len(ids[0]) - 1
+    assert len(forwards) == len(ids[0]) - 1  # every sampled token but the last was fed
+    s.feed([0], [[11, 12]])
+    hook.remove()
+    assert len(forwards) == len(ids[0]) and s.pending == [[]]
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([prefix + ids[0] + [11, 12]])).logits[0, -1]
+    assert torch.allclose(s.last_logits[0], ref, atol=1e-4)
+
+
+def test_the_kv_buffer_grows_in_place_and_keeps_what_it_held(tiny):
+    """KVBuffer writes each fed token into a preallocated buffer that doubles when full; past the
+    first growth the logits are still those of the whole sequence."""
+    model, _ = tiny
+    rng = random.Random(2)
+    seq = [rng.randrange(4, 30) for _ in range(30)]
+    s = rti.DecodeSession(model, [seq], 0)
+    layer = s.cache.layers[0]
+    assert isinstance(layer, rti.KVBuffer) and layer.key_buffer.shape[2] == 64
+    for _ in range(40):
+        token = rng.randrange(4, 30)
+        seq.append(token)
+        s.feed([0], [[token]])
+    assert layer.keys.shape[2] == 70 and layer.key_buffer.shape[2] >= 70
+    assert layer.keys.data_ptr() == layer.key_buffer.data_ptr()  # a view, not a copy
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([seq])).logits[0, -1]
+    assert torch.allclose(s.last_logits[0], ref, atol=1e-4)
+
+
 def test_sampling_logprobs_equal_rescoring(tiny):
     """The KV-cached sampler's log-probs are the full-sequence log-probs at the same temperature."""
     policy = make_policy(tiny, seed=2, temperature=0.7)
