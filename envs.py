@@ -680,10 +680,16 @@ def env_tasks(name: str, split: str) -> list:
 
 
 if __name__ == "__main__":  # python envs.py: a sample task, its render and the split table
+    import argparse
     import sys
 
     if sys.argv[1:] == ["audit"]:
         sys.exit("the audit moved to extras/: python -m extras.audit")
+    argparse.ArgumentParser(
+        prog="python envs.py",
+        description="Navigation: a sample test task (first message, three steps, hint, rubric, "
+        "its map with the oracle's path) and the table of the task splits.",
+    ).parse_args()
     task = make_tasks("test", n=1)[0]
     env = Navigation(task)
     acts = optimal_actions(task)

@@ -332,6 +332,7 @@ def test_quick_comparison_end_to_end(tmp_path):
     assert len((tmp_path / "compare.csv").read_text().splitlines()) == 1 + len(compare.METHODS)
 
 
+@pytest.mark.slow
 def test_one_warm_start_batch_gives_the_corrections_line_and_fig7(tmp_path):
     policy, batch = compare.warm_batch(rti.WARMSTART_DIR, seed=0, n_tasks=8)
     # the warm start fails whole groups on many train tasks: some are intervened

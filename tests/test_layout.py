@@ -226,3 +226,11 @@ def test_intervene_runs_with_a_policy_and_trajectories_written_here():
         assert t.reward == 1.0 and t.actions == ["route", "move right", "move right", "finish"]
         trained = [(s, lp) for s, lp, m in zip(t.source, t.sample_logp, t.loss_mask) if m]
         assert trained == [(INTERVENED, 0.0)] * 2 + [(POLICY, -0.5)] * 6 + [(INTERVENED, 0.0)] * 2
+
+
+def test_ci_runs_the_readme_test_command():
+    """CI runs exactly the command the README gives for the tests (its second line of code)."""
+    readme = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].splitlines()
+    test_command = readme[1].split("   #")[0].strip()
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_command.startswith("pip install") and test_command in ci_lines

@@ -257,6 +257,7 @@ def test_batched_equals_one_at_a_time(tiny):
     assert [t.ids for t in other] != [t.ids for t in batched]
 
 
+@pytest.mark.slow
 def test_warm_start_lowers_its_loss(tmp_path):
     cfg = rti.make_config(
         warmstart.WarmStartConfig,

@@ -314,6 +314,7 @@ def test_tiny_chat_keeps_plain_text_actions():
     assert chat.action_text(chat.ids("move up") + [chat.eos_id]) == "move up"
 
 
+@pytest.mark.slow
 def test_rti_step_with_a_qwen3_template_model(qwen_tok):
     """A random model's turns are malformed calls (error observations); rule corrections are tool
     calls, succeed and are trained on."""
@@ -591,6 +592,7 @@ def losses(path):
     return [(m["loss"], m["grad_norm"]) for m in map(json.loads, open(path))]
 
 
+@pytest.mark.slow
 def test_fsdp_two_processes_match_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("WORLD_SIZE", None)

@@ -289,6 +289,7 @@ def test_env_flags_are_validated(tau2):
     rti.make_config(env="tau2-telecom", init="", test_split="base").validate()
 
 
+@pytest.mark.slow
 def test_tiny_model_run_on_telecom_completes(telecom, tmp_path, capsys):
     """Plumbing: a random tiny model (vocabulary from the domain's texts) trains two RTI steps on
     telecom solo, with rule corrections that make successes, then `python rti.py eval` evaluates

@@ -210,6 +210,7 @@ def rti_run(tmp_path_factory):
     return trainer, seen, before, model
 
 
+@pytest.mark.slow
 def test_rti_trainer_intervened_tokens_reach_the_loss(rti_run):
     trainer, seen, before, model = rti_run
     stats = trainer.rti_stats[0]
@@ -221,6 +222,7 @@ def test_rti_trainer_intervened_tokens_reach_the_loss(rti_run):
     assert changed(before, model)
 
 
+@pytest.mark.slow
 def test_rti_trainer_per_token_tensors_stay_aligned_after_shuffle_and_split(rti_run):
     trainer, seen, _, _ = rti_run
     trajs = trainer.rti_trajs
