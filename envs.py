@@ -131,6 +131,16 @@ class Env(abc.ABC):
     def optimal_action(self) -> str:
         """The right action the hint names, one the agent's context shows: the rule corrector's."""
 
+    def evidence(self) -> str:
+        """What the grader knows in the current state, shown to a corrector instead of the hint
+        under --corrector-sees evidence (default: the hint, for an env that hides nothing)."""
+        return self.hint()
+
+    def justified(self, action: str) -> bool:
+        """Whether the agent's own context supports the action, the verifier's integrity check:
+        a valid action may still copy what only the grader knows (default: valid is justified)."""
+        return self.check_step(action).valid
+
     @classmethod
     @abc.abstractmethod
     def vocabulary(cls) -> list[str]:
@@ -350,6 +360,8 @@ RUBRIC = (
     " finish within {max_turns} turns"
 )
 REASON = "{why} ; {hint}"  # a refused step: why (its first word is the rule), then the hint
+# what the grader knows: the rest of a shortest path to the target (Navigation.evidence)
+EVIDENCE = "next {target} path {directions}"
 WHY = {  # why check_step refuses an action
     "over": "over the episode is over",
     "unknown": "unknown action is not a valid tool call",
@@ -375,6 +387,7 @@ TEXTS = (
     RUBRIC,
     REASON,
     *WHY.values(),
+    EVIDENCE,
 )
 SEPARATORS = (";", ".")  # the texts' punctuation: vocabulary() puts it after their words
 
@@ -558,6 +571,22 @@ class Navigation(Env):
         """E.g. 'next A 3 1 do route', 'next A 3 1 do move down' (a route is held) or
         'next finish do finish'."""
         return HINT.format(target=self._target(), action=self.optimal_action())
+
+    def evidence(self) -> str:
+        """What the grader knows and the agent does not: the rest of a shortest path to the target
+        (the route the tool would give), e.g. 'next A 3 1 path down down left'; at the end, the
+        hint. A corrector that copies a direction from it while no route is held writes a step
+        the agent's context cannot justify."""
+        if self.at_end():
+            return self.hint()
+        return EVIDENCE.format(target=self._target(), directions=" ".join(self._route()))
+
+    def justified(self, action: str) -> bool:
+        """Valid, and shown by the context: `route` when none is held, the held route's next move,
+        finish at the end. A move while no route is held is not justified, even on a shortest
+        path: the agent cannot know it is one."""
+        a = action.strip() if isinstance(action, str) else None
+        return self.check_step(action).valid and (a not in MOVES or bool(self.route))
 
     def check_step(self, action: str) -> StepCheck:
         """Flags only what the agent's context shows to be wrong: the episode is over; an unknown

@@ -110,6 +110,11 @@ RATES = {
     "ppl_dropped_mean": ("ppl_dropped_sum", "gate_dropped"),
     "calls_corrected_mean": ("calls_corrected_sum", "gate_kept"),
     "calls_original_mean": ("calls_original_sum", "gate_kept"),
+    "leaked_rewrite_rate": ("rewrites_leaked", "correction_attempts"),
+    "leaked_accepted_rate": ("accepted_leaked", "corrections_accepted"),
+    "kept_leaked_rate": ("kept_leaked_turns", "kept_corrected_turns"),
+    "ppl_kept_leaky_mean": ("ppl_kept_leaky_sum", "gate_kept_leaky"),
+    "ppl_dropped_leaky_mean": ("ppl_dropped_leaky_sum", "gate_dropped_leaky"),
 }
 
 
@@ -158,6 +163,17 @@ def intervention_report(s: dict) -> str:
             f"perplexity gate: kept {_count(s, 'gate_kept')} "
             f"(mean PPL {_number(s, 'ppl_kept_mean')}), dropped {_count(s, 'gate_dropped')} "
             f"(mean PPL {_number(s, 'ppl_dropped_mean')})",
+            "rewrites by kind, every attempt: "
+            f"justified {_count(s, 'rewrites_justified')}, leaked {_count(s, 'rewrites_leaked')} "
+            f"({_percent(s, 'leaked_rewrite_rate')}), invalid {_count(s, 'rewrites_invalid')}; "
+            f"accepted: justified {_count(s, 'accepted_justified')}, "
+            f"leaked {_count(s, 'accepted_leaked')}, invalid {_count(s, 'accepted_invalid')}",
+            "corrected trajectories holding a leaked step (copied from the evidence): "
+            f"kept {_count(s, 'gate_kept_leaky')} (mean PPL {_number(s, 'ppl_kept_leaky_mean')}), "
+            f"dropped {_count(s, 'gate_dropped_leaky')} "
+            f"(mean PPL {_number(s, 'ppl_dropped_leaky_mean')}); leaked steps in the kept ones: "
+            f"{_count(s, 'kept_leaked_turns')} / {_count(s, 'kept_corrected_turns')} corrected "
+            f"steps ({_percent(s, 'kept_leaked_rate')})",
         ]
     )
 

@@ -42,7 +42,7 @@ VALIDATOR_PROMPT = (
 )
 VERIFIER_PROMPT = (
     "you check a rewritten step of an agent against a rubric . {rubric} . history {history} . "
-    "rewritten step {action} . answer accept or reject"
+    "rewritten step {action} . accept only a step the history justifies . answer accept or reject"
 )
 PROMPT_WORDS = sorted(
     set(" ".join([VALIDATOR_PROMPT, VERIFIER_PROMPT]).split())
@@ -127,6 +127,8 @@ class Rewrite:
     agent_ids: list[int]
     logp: list[float]  # behaviour log-probs log mu_t (0 for a deterministic corrector)
     action: str
+    # what the env makes of it (rewrite_kind): justified, leaked or invalid; set by the pipeline
+    kind: str = ""
 
 
 # ----------------------------------------------------------------------------- roles
@@ -135,8 +137,9 @@ class Rewrite:
 class Role:
     """A validator, corrector or verifier; the LLM ones ask the policy."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, cfg: RTIConfig | None = None):
         self.policy = policy
+        self.cfg = cfg or RTIConfig()
 
 
 class RubricValidator(Role):
@@ -170,17 +173,29 @@ def parse_validator(answer: str) -> StepCheck:
 
 
 class SelfCorrector(Role):
-    """The policy itself rewrites the step, seeing the episode so far plus the hint block;
-    log mu = its log-probs."""
+    """The policy itself rewrites the step, seeing the episode so far plus the hint block (what
+    --corrector-sees names); log mu = its log-probs."""
 
     def rewrite(self, cases: list[StepUnderReview]) -> list[Rewrite]:
         chat = self.policy.chat
         contexts = [
-            context_with(chat, c.traj, format_hint(c.reason, c.env.hint()), c.env.observation_role)
+            context_with(
+                chat, c.traj, corrector_note(c, self.cfg.corrector_sees), c.env.observation_role
+            )
             for c in cases
         ]
         ids, logps = self.policy.generate(contexts, self.policy.max_turn_tokens)
         return [Rewrite(i, lp, chat.action_text(i)) for i, lp in zip(ids, logps)]
+
+
+def corrector_note(case: StepUnderReview, sees: str) -> str:
+    """The hint block a self-corrector is shown after the episode so far: the validator's reason
+    with the hint (`hint`: the action the agent's context determines), or with the evidence instead
+    of the hint (`evidence`: what the grader knows, e.g. Navigation's remaining shortest path)."""
+    if sees == "hint":
+        return format_hint(case.reason, case.env.hint())
+    why = case.reason.removesuffix(" ; " + case.env.hint())
+    return format_hint(why, case.env.evidence())
 
 
 class RuleCorrector(Role):
@@ -193,19 +208,34 @@ class RuleCorrector(Role):
         return [Rewrite(i, [0.0] * len(i), a) for a, i in zip(actions, ids)]
 
 
-class RubricVerifier(Role):
-    """Integrity post-check: one complete, well-formed action that passes the step check, and
+class ValidityVerifier(Role):
+    """Validity post-check: one complete, well-formed action that passes the step check, and
     nothing else."""
 
     def accept(self, cases: list[StepUnderReview], rewrites: list[Rewrite]) -> list[bool]:
         return [
-            bool(r.agent_ids)
-            and r.agent_ids[-1] == self.policy.chat.eos_id
-            and HINT_OPEN not in r.action
-            and HINT_CLOSE not in r.action
-            and c.env.check_step(r.action).valid
+            self.well_formed(r) and c.env.check_step(r.action).valid
             for c, r in zip(cases, rewrites)
         ]
+
+    def well_formed(self, rewrite: Rewrite) -> bool:
+        """One complete turn (it ends with eos) that does not echo the hint block."""
+        return (
+            bool(rewrite.agent_ids)
+            and rewrite.agent_ids[-1] == self.policy.chat.eos_id
+            and HINT_OPEN not in rewrite.action
+            and HINT_CLOSE not in rewrite.action
+        )
+
+
+class RubricVerifier(ValidityVerifier):
+    """Integrity post-check (the paper's Post-Check): a well-formed, valid action that the agent's
+    own context justifies (Env.justified). A corrector shown the grader's evidence can write a
+    valid step the agent could never have known to take; trained on, such a step teaches the
+    policy to guess. This verifier rejects it, and the corrector is asked again."""
+
+    def accept(self, cases: list[StepUnderReview], rewrites: list[Rewrite]) -> list[bool]:
+        return [self.well_formed(r) and c.env.justified(r.action) for c, r in zip(cases, rewrites)]
 
 
 class LLMVerifier(Role):
@@ -254,7 +284,14 @@ def context_with(chat, traj: Episode, extra: str, role: str | None = None) -> li
 
 VALIDATORS = {"rubric": RubricValidator, "llm": LLMValidator}
 CORRECTORS = {"self": SelfCorrector, "rule": RuleCorrector}
-VERIFIERS = {"rubric": RubricVerifier, "llm": LLMVerifier, "none": AcceptAll}
+VERIFIERS = {
+    "rubric": RubricVerifier,
+    "valid": ValidityVerifier,
+    "llm": LLMVerifier,
+    "none": AcceptAll,
+}
+CORRECTOR_SEES = ("hint", "evidence")
+REWRITE_KINDS = ("justified", "leaked", "invalid")
 GROUP_MODES = ("paired", "replace")
 GATE_SCOPES = ("intervened", "agent", "trajectory")
 
@@ -280,12 +317,23 @@ class RTIConfig:
             "choices": tuple(CORRECTORS),
         },
     )
+    corrector_sees: str = field(
+        default="hint",
+        metadata={
+            "help": "what the self-corrector is shown beside the validator's reason: hint = the"
+            " action the agent's context determines (Navigation: 'do route'); evidence = what the"
+            " grader knows (Navigation: the rest of a shortest path), which a corrector can copy"
+            " into a step the agent could not have justified",
+            "choices": CORRECTOR_SEES,
+        },
+    )
     verifier: str = field(
         default="rubric",
         metadata={
-            "help": "who accepts a rewrite: rubric = one well-formed action that passes the step"
-            " check; llm = the policy prompted with the rubric; none = every rewrite is accepted"
-            ' (the paper\'s "w/o verifier")',
+            "help": "who accepts a rewrite: rubric = a well-formed, valid action that the agent's"
+            " context justifies (the integrity post-check); valid = well-formed and valid only;"
+            " llm = the policy prompted with the rubric; none = every rewrite is accepted (the"
+            ' paper\'s "w/o verifier")',
             "choices": tuple(VERIFIERS),
         },
     )
@@ -407,9 +455,9 @@ class Intervention:
     def __init__(self, policy: Policy, cfg: RTIConfig):
         self.policy = policy
         self.cfg = cfg
-        self.validator = VALIDATORS[cfg.validator](policy)
-        self.corrector = CORRECTORS[cfg.corrector](policy)
-        self.verifier = VERIFIERS[cfg.verifier](policy)
+        self.validator = VALIDATORS[cfg.validator](policy, cfg)
+        self.corrector = CORRECTORS[cfg.corrector](policy, cfg)
+        self.verifier = VERIFIERS[cfg.verifier](policy, cfg)
         self.paired = cfg.group_mode == "paired"
         self.stats = Counter()
 
@@ -463,6 +511,9 @@ class Intervention:
                 self.corrector.rewrite, [cases[i] for i in todo], default=None
             )
             asked = [(i, r) for i, r in zip(todo, rewrites) if r is not None]
+            for i, r in asked:
+                r.kind = rewrite_kind(cases[i].env, r.action)
+                self.stats[f"rewrites_{r.kind}"] += 1
             verdicts = self.call_role(
                 self.verifier.accept,
                 [cases[i] for i, _ in asked],
@@ -471,6 +522,7 @@ class Intervention:
             )
             for (i, r), ok in zip(asked, verdicts):
                 result[i] = r if ok else None
+                self.stats[f"accepted_{r.kind}"] += ok
             self.stats["correction_attempts"] += len(todo)
             todo = [i for i in todo if result[i] is None]
         self.stats["corrections_accepted"] += len(cases) - result.count(None)
@@ -526,10 +578,11 @@ class Intervention:
         trajs = [f.case.traj for f in fixes]
         env_of = [f.case.env for f in fixes]
         for t in trajs:
-            t.intervention = {"corrections": 0}
+            t.intervention = {"corrections": 0, "leaked": 0}
 
-        def step(r, agent_ids, logp, source) -> list[int]:  # the tokens to feed row r next
+        def step(r, agent_ids, logp, source, kind="") -> list[int]:  # the tokens to feed row r next
             trajs[r].intervention["corrections"] += source == INTERVENED
+            trajs[r].intervention["leaked"] += kind == "leaked"
             return trajs[r].step(chat, env_of[r], agent_ids, logp, source) or []
 
         seeds = [t.seed for t in trajs]  # each episode goes on on a stream of its own
@@ -538,7 +591,8 @@ class Intervention:
         )
         live = list(range(len(trajs)))  # live[i]: the episode in session row i
         feed = [
-            f.rewrite.agent_ids + step(r, f.rewrite.agent_ids, f.rewrite.logp, INTERVENED)
+            f.rewrite.agent_ids
+            + step(r, f.rewrite.agent_ids, f.rewrite.logp, INTERVENED, f.rewrite.kind)
             for r, f in enumerate(fixes)
         ]
         while True:
@@ -571,9 +625,8 @@ class Intervention:
                     feed.append(step(r, ids[j], logps[j], POLICY))
                 else:
                     session.retract(j, len(ids[j]))
-                    feed.append(
-                        rewrite.agent_ids + step(r, rewrite.agent_ids, rewrite.logp, INTERVENED)
-                    )
+                    tokens = step(r, rewrite.agent_ids, rewrite.logp, INTERVENED, rewrite.kind)
+                    feed.append(rewrite.agent_ids + tokens)
 
     def gate(self, trajs: list[Episode], fixes: list[Fix]) -> list[Episode]:
         """4. gate: the batch with the corrected successes whose perplexity (intervened_ppl over
@@ -586,11 +639,19 @@ class Intervention:
         for fix, ppl in zip(successes, ppls):
             corrected = fix.case.traj
             keep = (not self.cfg.ppl_gate) or ppl <= self.cfg.ppl_max
-            self.stats["gate_kept" if keep else "gate_dropped"] += 1
-            self.stats["ppl_kept_sum" if keep else "ppl_dropped_sum"] += ppl
+            verdict = "kept" if keep else "dropped"
+            leaky = corrected.intervention["leaked"] > 0
+            self.stats[f"gate_{verdict}"] += 1
+            self.stats[f"ppl_{verdict}_sum"] += ppl
+            # trajectories that hold a leaked step, and their perplexity
+            self.stats[f"gate_{verdict}_leaky"] += leaky
+            self.stats[f"ppl_{verdict}_leaky_sum"] += ppl if leaky else 0.0
             corrected.intervention["ppl"] = ppl
             if not keep:
                 continue
+            # what enters the trained batch: corrected turns, and those that copied evidence
+            self.stats["kept_corrected_turns"] += corrected.intervention["corrections"]
+            self.stats["kept_leaked_turns"] += corrected.intervention["leaked"]
             self.stats["calls_corrected_sum"] += len(corrected.actions)
             self.stats["calls_original_sum"] += len(trajs[fix.traj_index].actions)
             if self.paired:
@@ -598,6 +659,15 @@ class Intervention:
             else:
                 out[fix.traj_index] = corrected
         return out
+
+
+def rewrite_kind(env: Env, action: str) -> str:
+    """What a rewrite is in the env's state before it: `invalid` (the step check refuses it),
+    `leaked` (valid, but not justified by the agent's context: copied from the evidence) or
+    `justified`. Counted for every rewrite, whatever the verifier decides."""
+    if not env.check_step(action).valid:
+        return "invalid"
+    return "justified" if env.justified(action) else "leaked"
 
 
 def intervened_ppl(policy: Policy, trajs: list[Episode], scope: str = "agent") -> list[float]:

@@ -68,6 +68,20 @@ class WarmStartConfig(rti.Config):
             "episodes)"
         },
     )
+    ws_evidence_frac: float = field(
+        default=0.0,
+        metadata={
+            "help": "share of hint blocks that show the grader's evidence (the rest of a shortest"
+            " path) instead of the hint, as --corrector-sees evidence does"
+        },
+    )
+    ws_copy_frac: float = field(
+        default=0.5,
+        metadata={
+            "help": "shown the evidence while holding no route, the share of turns the teacher"
+            " copies the path's first move instead of calling `route`: a corrector that can leak"
+        },
+    )
     ws_obs_weight: float = field(
         default=1.0,
         metadata={"help": "weight of the auxiliary next-token loss on observation tokens"},
@@ -95,6 +109,8 @@ class WarmStartConfig(rti.Config):
         rti.require(self, "ws_lr", self.ws_lr > 0, "must be > 0")
         rti.require(self, "ws_hint_frac", 0 <= self.ws_hint_frac <= 1, "must be in [0, 1]")
         rti.require(self, "ws_route_frac", 0 <= self.ws_route_frac <= 1, "must be in [0, 1]")
+        for name in ("ws_evidence_frac", "ws_copy_frac"):
+            rti.require(self, name, 0 <= getattr(self, name) <= 1, "must be in [0, 1]")
         super().validate()
 
 
@@ -103,7 +119,14 @@ PROG = "-m extras.warmstart"
 
 
 def teacher_sequence(
-    chat: rti.Chat, task, rng: random.Random, hint_frac: float, obs_weight: float, route_frac: float
+    chat: rti.Chat,
+    task,
+    rng: random.Random,
+    hint_frac: float,
+    obs_weight: float,
+    route_frac: float,
+    evidence_frac: float = 0.0,
+    copy_frac: float = 0.0,
 ):
     """Token ids and per-token loss weights of a teacher's successful episode for `task`.
 
@@ -113,7 +136,10 @@ def teacher_sequence(
     teacher does what it says (calls `route` when it holds none), so the policy learns both to
     follow a hint and, rarely, to call the tool. Agent tokens weigh 1, observation tokens
     `obs_weight` (an auxiliary loss: with actions alone a from-scratch model stalls), hint tokens
-    0.
+    0. A share `evidence_frac` of the hint blocks show the grader's evidence instead of the hint
+    (intervene.corrector_note); holding no route, the teacher then copies the path's first move in
+    a share `copy_frac` of them and calls `route` in the others, so the policy, as a corrector
+    shown evidence, sometimes writes a step its context cannot justify.
     """
     env = envs.Navigation(replace(task, max_turns=envs.MAX_NUMBER))
     content = env.reset()
@@ -129,13 +155,18 @@ def teacher_sequence(
         if rng.random() < hint_frac:
             # the hint of a step check that flags a random wrong action
             wrong = rng.choice([a for a in envs.ACTIONS if not env.check_step(a).valid])
-            reason = env.check_step(wrong).reason
-            hinted = piece(content + " " + intervene.format_hint(reason, env.hint()))
+            case = intervene.StepUnderReview(None, env, wrong, env.check_step(wrong).reason)
+            action = best
+            sees = "hint"
+            if evidence_frac and rng.random() < evidence_frac:
+                sees = "evidence"
+                if best == "route" and rng.random() < copy_frac:
+                    action = env.shortest_moves()[0]  # copied from the evidence: a leak
+            hinted = piece(content + " " + intervene.corrector_note(case, sees))
             n_hint = len(hinted) - len(plain)
             w = [obs_weight] * len(hinted)
             w[len(hinted) - n_post - n_hint : len(hinted) - n_post] = [0.0] * n_hint
             plain = hinted
-            action = best
         elif env.route or best == "finish":
             action = best
         elif leg < env.visited and rng.random() < route_frac:
@@ -185,6 +216,8 @@ def warmstart(cfg: WarmStartConfig, log=print):
                     cfg.ws_hint_frac,
                     cfg.ws_obs_weight,
                     cfg.ws_route_frac,
+                    cfg.ws_evidence_frac,
+                    cfg.ws_copy_frac,
                 )
                 for _ in range(8 * cfg.ws_batch)
             ]

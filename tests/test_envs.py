@@ -519,3 +519,30 @@ def test_render_shows_walls_waypoints_and_path(splits):
 
 def test_docstring_examples():
     assert doctest.testmod(envs).failed == 0
+
+
+def test_evidence_is_the_route_the_tool_would_give_and_justified_needs_the_context():
+    """evidence() shows the rest of a shortest path (the route the tool would return), in the env's
+    words; justified() admits a move only when a held route shows it."""
+    words = set(Navigation.vocabulary())
+    for task in make_tasks("test", n=20):
+        env = Navigation(task)
+        env.reset()
+        for action in optimal_actions(task):
+            text = env.evidence()
+            assert set(text.split()) <= words
+            if env.at_end():
+                assert text == env.hint() and env.justified("finish")
+            elif not env.route:
+                directions = text.split(" path ")[1].split()
+                probe = Navigation(task)
+                for a in env.actions:
+                    probe.step(a)
+                probe.step("route")
+                assert directions == probe.route
+                move = f"move {directions[0]}"
+                assert env.check_step(move).valid and not env.justified(move)
+                assert env.justified("route")
+            else:
+                assert env.justified(f"move {env.route[0]}") and not env.justified("route")
+            env.step(action)

@@ -42,7 +42,8 @@ T_SHORT, T_MID, T_LONG = (
 FIRST_MESSAGE = {envs.Navigation(t).reset(): t for t in EASY}
 RUBRIC = {envs.Navigation(t).rubric_text(): t for t in EASY}
 ROLE_PROMPT = re.compile(
-    r"\. (rubric visit .*? turns) \. history (.*?)\s?\. (?:proposed|rewritten) step (.*?) \. answer "
+    r"\. (rubric visit .*? turns) \. history (.*?)\s?\. (?:proposed|rewritten) step (.*?) \. "
+    r"(?:accept only a step the history justifies \. )?answer "
 )
 
 
@@ -448,16 +449,16 @@ def replay_tokens_match(policy, t):
 
 @pytest.mark.parametrize("task,k", [(T_LONG, 0), (T_MID, 2), (T_LONG, 3)])
 def test_rewrite_is_executed_and_the_policy_continues_from_the_new_state(tiny, task, k):
-    def rewrite(
-        q,
-    ):  # the last valid move: at T_LONG's start a move, where the policy would call the route tool
+    def rewrite(q):
+        # the last valid move: at T_LONG's start a move, where the policy would call the route
+        # tool; valid but not justified by the context, so the validity post-check is the one used
         return [a for a in envs.MOVES if q.env.check_step(a).valid][-1]
 
     policy = ScriptedPolicy(tiny, corrector=rewrite)
     trajs = sample(policy, [task], 2, [{k: "wall"}, {0: "finish"}])
     orig = trajs[0]
     policy.check_logits = True
-    out, stats = run(policy, trajs, cfg(intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=1, verifier="valid"))
     t = out[0]
     assert (
         t is not orig and stats["corrections_accepted"] == 1 and stats["corrected_successes"] == 1
@@ -524,6 +525,9 @@ class PermissiveEnv:
 
     def check_step(self, action):
         return envs.StepCheck(True)
+
+    def justified(self, action):
+        return True
 
 
 @pytest.mark.parametrize(
@@ -991,7 +995,8 @@ def test_config_fields_carry_their_help_and_choices():
     assert choices == {
         "validator": ("rubric", "llm"),
         "corrector": ("self", "rule"),
-        "verifier": ("rubric", "llm", "none"),
+        "corrector_sees": ("hint", "evidence"),
+        "verifier": ("rubric", "valid", "llm", "none"),
         "group_mode": ("paired", "replace"),
         "gate_scope": intervene.GATE_SCOPES,
     }
@@ -1001,6 +1006,7 @@ def test_config_fields_carry_their_help_and_choices():
     assert {name: f.type for name, f in fields.items()} == {
         "validator": "str",
         "corrector": "str",
+        "corrector_sees": "str",
         "verifier": "str",
         "group_mode": "str",
         "intervene_per_group": "int",
@@ -1269,3 +1275,72 @@ def test_gate_scope_picks_the_tokens_the_perplexity_is_over(tiny, scope):
     }[scope]
     vals = [-float(i % 3) for i, p in enumerate(pick) if p]
     assert t.intervention["ppl"] == pytest.approx(math.exp(-sum(vals) / len(vals)))
+
+
+# ----------------------------------------------------------------------------- evidence and integrity
+
+
+def copy_the_evidence(q) -> str:
+    """A corrector that copies the first direction of the evidence's path when one is shown, as a
+    policy shown what the grader knows may."""
+    path = re.search(r"path (\w+)", q.hint)
+    return f"move {path.group(1)}" if path else q.env.optimal_action()
+
+
+def test_the_evidence_block_shows_the_path_and_not_the_action():
+    env = envs.Navigation(T_LONG)
+    env.reset()
+    wrong = wrong_action(env, "wall")
+    case = intervene.StepUnderReview(None, env, wrong, env.check_step(wrong).reason)
+    hint = intervene.corrector_note(case, "hint")
+    evidence = intervene.corrector_note(case, "evidence")
+    assert hint.endswith("do route </hint>") and "path" not in hint
+    assert f"path {' '.join(d.split()[1] for d in envs.optimal_actions(T_LONG)[1:2])}" in evidence
+    assert "do route" not in evidence and evidence.startswith(f"<hint> wall {wrong}")
+
+
+def test_the_post_check_rejects_a_copied_direction_and_accepts_what_the_context_justifies(tiny):
+    """At the start no route is held: a shortest move is valid (the step check passes it) but the
+    agent cannot know it; `route` is what its context shows. With a route held, its next move is
+    justified."""
+    policy = ScriptedPolicy(tiny)
+    chat = policy.chat
+    env = envs.Navigation(T_LONG)
+    env.reset()
+    leaked = env.shortest_moves()[0]
+    case = intervene.StepUnderReview(None, env, wrong_action(env, "wall"))
+
+    def verdicts(verifier, action):
+        ids = chat.ids(action) + [chat.eos_id]
+        rewrite = intervene.Rewrite(ids, role_logp(len(ids)), action)
+        return verifier(policy).accept([case], [rewrite])[0]
+
+    assert env.check_step(leaked).valid and intervene.rewrite_kind(env, leaked) == "leaked"
+    assert not verdicts(intervene.RubricVerifier, leaked)
+    assert verdicts(intervene.ValidityVerifier, leaked)  # validity alone lets it through
+    assert verdicts(intervene.RubricVerifier, "route")
+    env.step("route")
+    assert verdicts(intervene.RubricVerifier, leaked)  # now the held route shows it
+    assert intervene.rewrite_kind(env, leaked) == "justified"
+
+
+@pytest.mark.parametrize("verifier,leaks_in", [("none", True), ("valid", True), ("rubric", False)])
+def test_without_the_post_check_a_copied_direction_enters_the_trained_trajectory(
+    tiny, verifier, leaks_in
+):
+    policy = ScriptedPolicy(tiny, corrector=copy_the_evidence)
+    trajs = sample(policy, [T_LONG], 2, [{0: "wall"}, {0: "finish"}])
+    config = cfg(intervene_per_group=1, corrector_sees="evidence", verifier=verifier)
+    out, stats = run(policy, trajs, config)
+    assert stats["rewrites_leaked"] >= 1  # the corrector copied the evidence
+    if leaks_in:
+        corrected = out[0]
+        assert corrected is not trajs[0] and corrected.reward == 1.0
+        first = corrected.turns[0]
+        assert corrected.source[first[0]] == INTERVENED and corrected.actions[0] in envs.MOVES
+        assert corrected.intervention["leaked"] >= 1
+        assert stats["kept_leaked_turns"] >= 1 and stats["accepted_leaked"] >= 1
+    else:
+        # every rewrite copied the evidence: rejected, asked again, rejected; nothing enters
+        assert stats.get("accepted_leaked", 0) == 0 and stats["corrections_rejected"] >= 1
+        assert stats.get("kept_leaked_turns", 0) == 0 and out[0] is trajs[0]

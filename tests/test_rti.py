@@ -257,6 +257,27 @@ def test_batched_equals_one_at_a_time(tiny):
     assert [t.ids for t in other] != [t.ids for t in batched]
 
 
+def test_teacher_shown_evidence_copies_the_path_or_calls_the_tool(tiny):
+    """With every hint block showing evidence, the teacher copies the path's first move where it
+    holds no route (copy_frac 1) or calls the tool (copy_frac 0); its episodes still succeed."""
+    chat = rti.Chat(tiny[1])
+    for task in easy_tasks(4):
+        for copy_frac, first in ((1.0, "move"), (0.0, "route")):
+            ids, _ = warmstart.teacher_sequence(
+                chat, task, random.Random(0), 1.0, 1.0, 0.0, evidence_frac=1.0, copy_frac=copy_frac
+            )
+            text = chat.tok.decode(ids)
+            assert " path " in text and " do route " not in text
+            actions = teacher_actions_of(chat, ids)
+            assert actions[0].split()[0] == first
+            assert envs.run_actions(task, actions).score().success
+
+
+def teacher_actions_of(chat, ids: list[int]) -> list[str]:
+    turns = chat.tok.decode(ids).split("<|assistant|>")[1:]
+    return [" ".join(turn.split("<|im_end|>")[0].split()) for turn in turns]
+
+
 @pytest.mark.slow
 def test_warm_start_lowers_its_loss(tmp_path):
     cfg = rti.make_config(
@@ -295,8 +316,7 @@ def test_teacher_sequence_hint_tokens_are_not_trained(tiny):
 def teacher_actions(chat, task, route_frac: float) -> list[str]:
     """The actions of the warm-start teacher's episode of `task` (no hints)."""
     ids, _ = warmstart.teacher_sequence(chat, task, random.Random(0), 0.0, 1.0, route_frac)
-    turns = chat.tok.decode(ids).split("<|assistant|>")[1:]
-    return [" ".join(turn.split("<|im_end|>")[0].split()) for turn in turns]
+    return teacher_actions_of(chat, ids)
 
 
 def test_teacher_routes_the_share_of_legs_it_is_told_and_always_succeeds(tiny):
