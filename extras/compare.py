@@ -26,9 +26,10 @@ import torch
 import envs
 import intervene
 import rti
-from extras.compare_figures import plot_curves, plot_heatmap
+from extras.compare_figures import plot_compute, plot_curves, plot_heatmap
 from extras.compare_report import (
     BOUNDARY_SAMPLES,
+    compute_table,
     corrections_written,
     curve_table,
     has_grpo_and_rti,
@@ -37,9 +38,11 @@ from extras.compare_report import (
     write_report,
 )
 
-# the paper's Table 3 rows, all from the same warm start, budget and seeds
+# the paper's Table 3 rows and the strong baseline practitioners use for sparse rewards (DAPO's
+# dynamic sampling), all from the same warm start, budget and seeds
 METHODS = {
     "GRPO": ["--method", "grpo"],
+    "GRPO + dynamic sampling": ["--method", "grpo", "--dynamic-sampling"],
     "RTI": ["--method", "rti"],
     "RTI w/o verifier": ["--method", "rti", "--verifier", "none"],
     "RTI w/o PPL gate": ["--method", "rti", "--no-ppl-gate"],
@@ -134,17 +137,23 @@ def compare(
     command = command_line(seeds, out_dir, quick, jobs, extra, methods)
     curves = curve_table(logs, seeds, warm[0]["p@1"], methods)
     minutes = training_minutes(logs, seeds, methods)
+    compute = compute_table(logs, seeds, methods)
     if not has_grpo_and_rti(methods):
         # a subset such as the ablations on more seeds: their table and curves
-        write_report(results, warm, seeds, out, wall, command, curves + ["", minutes], split=split)
+        report_lines = curves + ["", minutes]
+        write_report(
+            results, warm, seeds, out, wall, command, report_lines, split=split, compute=compute
+        )
         return results
     # one warm-start batch for what the corrections write, and for fig7
     policy, batch = warm_batch(run_cfg.init, seeds[0])
     mechanics = mechanics_table(logs, seeds)
     mechanics += ["", minutes, "", corrections_written(batch, run_cfg.init)]
-    write_report(results, warm, seeds, out, wall, command, curves, mechanics, split)
+    write_report(results, warm, seeds, out, wall, command, curves, mechanics, split, compute)
     try:
         plot_curves(logs, out, seeds, warm[0]["p@1"], split)
+        if compute:
+            plot_compute(logs, out, seeds, methods, split)
         plot_heatmap(policy, batch, out / "fig7_weighted_ratio.png")
     except ImportError:
         print("matplotlib is not installed: no figures (pip install -r requirements-plots.txt)")

@@ -14,7 +14,7 @@ import torch
 
 import loss
 import rti
-from extras.compare_report import per_step
+from extras.compare_report import eval_points, per_step
 
 
 def pyplot():
@@ -99,6 +99,37 @@ def plot_curves(
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "fig5_correction_ppl.png", dpi=120)
+    plt.close(fig)
+
+
+def plot_compute(logs: dict, out, seeds: list[int], methods, split: str = "test") -> None:
+    """fig8: test p@1 against the compute spent: sampled episodes (RTI's continuations included),
+    tokens the policy generated, and training minutes; one line per run, a colour per method, so
+    that RTI's extra work per step is visible. `logs`: {(method, seed): metrics log}."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    labels = ("sampled episodes", "generated tokens", "training minutes")
+    for k, name in enumerate(methods):
+        colour = f"C{k}"
+        for s in seeds:
+            points = eval_points(logs[(name, s)])
+            for axis, ax in enumerate(axes, start=1):
+                xs = [p[axis] for p in points]
+                ax.plot(
+                    xs,
+                    [p[4] for p in points],
+                    "o-",
+                    color=colour,
+                    ms=3,
+                    lw=1,
+                    label=name if s == seeds[0] else None,
+                )
+    for ax, label in zip(axes, labels):
+        ax.set(xlabel=label, ylabel=f"{split} p@1")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"p@1 against compute, one line per run ({len(seeds)} seeds)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "fig8_compute.png", dpi=120)
     plt.close(fig)
 
 

@@ -180,6 +180,55 @@ def corrections_written(batch: list, source: str) -> str:
     )
 
 
+def eval_points(rows: list[dict]) -> list[tuple[int, int, int, float, float]]:
+    """(step, total episodes, total generated tokens, training minutes, test p@1) at every
+    evaluation of a metrics log that records compute (rti.Progress): the x-axes of a comparison
+    at matched compute. Evaluations without a training row at their step (step 0) are left out."""
+    totals = {r["step"]: r for r in rows if "total/episodes" in r}
+    points = []
+    for r in rows:
+        if "test/p@1" in r and r["step"] in totals:
+            t = totals[r["step"]]
+            minutes = t["time/train_total"] / 60
+            points.append(
+                (
+                    r["step"],
+                    t["total/episodes"],
+                    t["total/generated_tokens"],
+                    minutes,
+                    r["test/p@1"],
+                )
+            )
+    return points
+
+
+def compute_table(logs: dict, seeds: list[int], methods) -> list[str]:
+    """Per seed and method: the compute a run spent (episodes sampled, RTI's continuations
+    included; tokens the policy generated, in every role; training minutes) and its p@1 at the end
+    and at equal sampled episodes: at the last evaluation within the seed's smallest final episode
+    count over methods. Empty when the logs record no compute (runs of older code)."""
+    points = {run: eval_points(rows) for run, rows in logs.items()}
+    if not all(points.get((name, s)) for name in methods for s in seeds):
+        return []
+    lines = [
+        "| seed | method | episodes | generated tokens | training min | p@1 at the end | "
+        "p@1 at equal episodes (step) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in seeds:
+        budget = min(points[(name, s)][-1][1] for name in methods)
+        for name in methods:
+            run = points[(name, s)]
+            step, episodes, tokens, minutes, final = run[-1]
+            within = [p for p in run if p[1] <= budget]
+            matched = f"{within[-1][4]:.2f} ({within[-1][0]})" if within else "-"
+            lines.append(
+                f"| {s} | {name} | {episodes:,} | {tokens:,} | {minutes:.1f} | {final:.2f} | "
+                f"{matched} |"
+            )
+    return lines
+
+
 def write_report(
     results: dict,
     warm: tuple,
@@ -190,11 +239,13 @@ def write_report(
     curves: list[str] = (),
     mechanics: list[str] = (),
     split: str = "test",
+    compute: list[str] = (),
 ) -> None:
     """compare.md and compare.csv under `out`, and the report printed. `results`: {(method, seed):
     the run's results.json}; `warm`: the warm start's (summary, per-task successes) on `split`, the
     runs' --test-split; `curves` and `mechanics`: lines of curve_table and mechanics_table, if
-    given; `wall`: seconds this invocation took; `command`: the command line that reproduces it."""
+    given; `compute`: compute_table's lines; `wall`: seconds this invocation took; `command`: the
+    command line that reproduces it."""
     keys = [k for k, _ in COLUMNS]
     warm_summary, warm_tasks = warm
     rows = {f"warm start ({BOUNDARY_SAMPLES} samples)": warm_summary}
@@ -242,6 +293,14 @@ def write_report(
             f"{BOUNDARY_SAMPLES} samples a task; then the runs' 4):",
             "",
             *curves,
+        ]
+    if compute:
+        lines += [
+            "",
+            f"Compute per run, and p@1 on {split} at the end and at equal sampled episodes (the "
+            "last evaluation within the seed's smallest episode count over methods):",
+            "",
+            *compute,
         ]
     if mechanics:
         lines += [

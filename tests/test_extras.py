@@ -348,3 +348,35 @@ def test_one_warm_start_batch_gives_the_corrections_line_and_fig7(tmp_path):
         return  # matplotlib is optional: the line above is all a report without it gets
     compare_figures.plot_heatmap(policy, batch, tmp_path / "fig7.png")
     assert (tmp_path / "fig7.png").stat().st_size > 0
+
+
+def test_compute_table_compares_methods_at_equal_sampled_episodes():
+    """A method that samples more per step is read at the last evaluation within the smallest
+    final episode count of its seed."""
+
+    def log(episodes_per_step: int, p1: dict[int, float]) -> list[dict]:
+        rows = []
+        for step in range(1, 5):
+            rows.append(
+                {
+                    "step": step,
+                    "total/episodes": episodes_per_step * step,
+                    "total/generated_tokens": 10 * episodes_per_step * step,
+                    "time/train_total": 60.0 * step,
+                }
+            )
+            if step in p1:
+                rows.append({"step": step, "test/p@1": p1[step]})
+        return rows
+
+    logs = {
+        ("GRPO", 0): log(64, {2: 5.0, 4: 6.0}),
+        ("RTI", 0): log(128, {2: 40.0, 4: 80.0}),
+    }
+    lines = compare_report.compute_table(logs, [0], ["GRPO", "RTI"])
+    grpo, rti_row = lines[2], lines[3]
+    assert grpo == "| 0 | GRPO | 256 | 2,560 | 4.0 | 6.00 | 6.00 (4) |"
+    # RTI reached 256 episodes at step 2: compared there, not at its end
+    assert rti_row == "| 0 | RTI | 512 | 5,120 | 4.0 | 80.00 | 40.00 (2) |"
+    logs[("GRPO", 0)] = [{"step": 1, "train_success": 0.0}]  # a log of older code
+    assert compare_report.compute_table(logs, [0], ["GRPO", "RTI"]) == []
