@@ -144,7 +144,13 @@ class Config:
         metadata={"help": "dynamic sampling: rounds a step at most; then the batch may be short"},
     )
     steps: int = field(default=8, metadata={"help": "training steps, one rollout batch each"})
-    lr: float = field(default=1e-4, metadata={"help": "AdamW learning rate"})
+    lr: float = field(
+        default=1e-4,
+        metadata={
+            "help": "AdamW learning rate (1e-4 chosen for rti on val; GRPO's was chosen apart: 3e-5,"
+            " as extras.compare runs it)"
+        },
+    )
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})
     updates_per_batch: int = field(default=1, metadata={"help": "epochs over each rollout batch"})
     mini_batches: int = field(
