@@ -519,3 +519,59 @@ def test_mini_batches_make_the_ratio_and_the_clip_act(tiny, tmp_path, monkeypatc
     clipped = (m > 0) & (((a_tok > 0) & (rho > 1.28)) | ((a_tok < 0) & (rho < 0.8)))
     assert clipped.any() and metrics["clip_frac"] > 0
     assert (lp.grad[clipped] == 0).all() and (lp.grad[(m > 0) & ~clipped] != 0).all()
+
+
+class ScriptedSampler:
+    """A stand-in for the policy in sample_batch: it only counts the tokens 'generated'."""
+
+    generated_tokens = 0
+
+
+def scripted_rollout(rewards_by_round: list[list[list[float]]]):
+    """A rollout whose r-th call returns groups with the given rewards (one task per group), so
+    the test decides which rounds hold groups with a reward spread."""
+    calls = iter(rewards_by_round)
+
+    def fake_rollout(sampler, tasks, group_size, seed):
+        trajs = []
+        for group, rewards in enumerate(next(calls)):
+            for reward in rewards:
+                trajs.append(rti.Trajectory(task=tasks[group], group=group, reward=reward))
+                sampler.generated_tokens += 5
+        return trajs
+
+    return fake_rollout
+
+
+def test_dynamic_sampling_fills_the_batch_with_groups_that_have_a_spread(monkeypatch):
+    spread, flat = [1.0, 0.0], [0.0, 0.0]
+    rounds = [[flat, spread, flat], [flat, flat, flat], [spread, spread, spread]]
+    monkeypatch.setattr(rti, "rollout", scripted_rollout(rounds))
+    cfg = rti.make_config(method="grpo", group_size=2, dynamic_sampling=True, max_sampling_rounds=4)
+    draws = iter([["d", "e", "f"], ["g", "h", "i"]])
+    trajs, metrics = rti.sample_batch(
+        ScriptedSampler(), ["a", "b", "c"], cfg, 0, lambda: next(draws)
+    )
+    # round 1 gives one group with a spread, round 2 none, round 3 three: the batch takes 3
+    assert metrics["sampling_rounds"] == 3 and metrics["batch_groups"] == 3
+    assert [t.task for t in trajs] == ["b", "b", "g", "g", "h", "h"]
+    assert [t.group for t in trajs] == [0, 0, 1, 1, 2, 2]  # groups of different rounds stay apart
+    assert metrics["sampled_episodes"] == 18 and metrics["generated_tokens"] == 90
+
+
+def test_dynamic_sampling_stops_at_its_cap_with_a_short_batch(monkeypatch):
+    spread, flat = [1.0, 0.0], [0.0, 0.0]
+    rounds = [[flat, flat], [spread, flat], [flat, flat]]
+    monkeypatch.setattr(rti, "rollout", scripted_rollout(rounds))
+    cfg = rti.make_config(method="grpo", group_size=2, dynamic_sampling=True, max_sampling_rounds=2)
+    trajs, metrics = rti.sample_batch(ScriptedSampler(), ["a", "b"], cfg, 0, lambda: ["c", "d"])
+    assert metrics["sampling_rounds"] == 2 and metrics["sampled_episodes"] == 8
+    assert metrics["batch_groups"] == 1 and [t.task for t in trajs] == ["c", "c"]
+
+
+def test_without_dynamic_sampling_one_round_keeps_every_group(monkeypatch):
+    flat = [0.0, 0.0]
+    monkeypatch.setattr(rti, "rollout", scripted_rollout([[flat, flat]]))
+    cfg = rti.make_config(method="grpo", group_size=2)
+    trajs, metrics = rti.sample_batch(ScriptedSampler(), ["a", "b"], cfg, 0)
+    assert metrics["sampling_rounds"] == 1 and len(trajs) == 4 and metrics["batch_groups"] == 2
