@@ -70,7 +70,10 @@ class LossConfig:
     )
     kl_coef: float = field(
         default=0.0,
-        metadata={"help": "weight of the k3 KL to the reference policy in the loss; 0 = no KL"},
+        metadata={
+            "help": "weight of the k3 KL to the reference policy in the loss; 0 = no KL (rti.py "
+            "loads no reference model and refuses > 0; extras/trl_rti.py takes TRL's beta)"
+        },
     )
     agg: str = field(
         default="token-mean",

@@ -24,17 +24,20 @@ import os
 import random
 import sys
 import time
+import warnings
 import zlib
 from collections import Counter
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer, models, pre_tokenizers
+from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 from transformers import (
     AutoModelForCausalLM,
@@ -261,6 +264,13 @@ class Config:
             self.env == "navigation" or self.model != "tiny" or not self.init,
             "the tiny warm start is a Navigation model: pass --init '' (a random tiny model) "
             "or --model PATH",
+        )
+        require(
+            self.loss,
+            "kl_coef",
+            self.loss.kl_coef == 0,
+            "the KL penalty needs a reference model's log-probs and this loop loads no reference "
+            "model: use --kl-coef 0 (the default, as the paper's runs)",
         )
         require(
             self,
@@ -960,18 +970,117 @@ def pad_rows(rows: list[list], fill, dtype, device) -> torch.Tensor:
     return out
 
 
+# logits per chunk of token_logprobs (positions x vocabulary): 32 MB in fp32, 55 positions of
+# Qwen3's 151,936-token vocabulary, every position of the tiny model's batches
+LOGPROB_CHUNK = 2**23
+
+
 def token_logprobs(
-    model, seqs: list[list[int]], pad_id: int, temperature: float, device
+    model, seqs: list[list[int]], pad_id: int, temperature: float, device, chunk=LOGPROB_CHUNK
 ) -> torch.Tensor:
     """[B, T] log-probs of each token given the ones before it, at the sampling temperature, of
-    the right-padded sequences (column 0 is 0).
+    the right-padded sequences (column 0 and padded positions are 0).
+
+    No full-vocabulary tensor of the batch: a hook takes the output head's input (the final hidden
+    states) and leaves the head the last position only; chunked_logprobs then applies the head to
+    the real positions `chunk` logits at a time. Memory: a few chunks (x 4 bytes), where the
+    logits of every position, an fp32 copy, a divided copy and a full log_softmax took B x T x V
+    x 8 bytes, 12 with backward (111 GiB for 8 rows of 8k tokens at Qwen3's vocabulary).
+
+    The model's own logits of the last position must equal the head's: a model that changes its
+    logits after the head (Gemma's soft-capping, a logit scale) fails this check and is scored
+    from its full logits instead (the plain path, with a warning; `model._rti_full_logits`).
 
     No attention mask: under causal attention a real token never sees the pads after it, so the
     pads (whatever their id) change nothing, and SDPA can run its faster causal kernel."""
     ids = pad_rows(seqs, pad_id, torch.long, device)
-    logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float() / temperature
+    lengths = torch.tensor([len(s) for s in seqs], device=device)
+    # needed[b, t]: token t + 1 of row b is real, so its log-prob given tokens 0..t is wanted
+    needed = torch.arange(1, ids.shape[1], device=device) < lengths[:, None]
+    head = model.get_output_embeddings()
+    if head is None or getattr(model, "_rti_full_logits", False):
+        logits = model(input_ids=ids, use_cache=False).logits
+        return logprobs_from_logits(logits, ids, needed, temperature)
+    inputs = []
+    hook = head.register_forward_pre_hook(partial(keep_head_input, inputs))
+    try:
+        out = model(input_ids=ids, use_cache=False)
+    finally:
+        hook.remove()
+    if not head_gives_logits(head, inputs, out.logits, ids.shape):
+        warnings.warn(
+            f"{type(model).__name__} changes its logits after the output head: its log-probs "
+            "come from its full logits (B x T x V in memory)",
+            stacklevel=2,
+        )
+        model._rti_full_logits = True
+        logits = model(input_ids=ids, use_cache=False).logits
+        return logprobs_from_logits(logits, ids, needed, temperature)
+    if ids.numel() * head.weight.shape[0] <= chunk:
+        # the batch fits one chunk (the tiny model's do): the head runs on every position, as in
+        # the model's own forward, for the same values and gradients bit for bit
+        return logprobs_from_logits(head(inputs[0]), ids, needed, temperature)
+    hidden = inputs[0][:, :-1][needed]
+    values = chunked_logprobs(head, hidden, ids[:, 1:][needed], temperature, chunk)
+    logp = torch.zeros(needed.shape, dtype=values.dtype, device=device)
+    return F.pad(logp.masked_scatter(needed, values), (1, 0))
+
+
+def keep_head_input(inputs: list, head, args: tuple) -> tuple:
+    """Forward pre-hook of the output head: keep its input [B, T, H] in `inputs`, and pass the
+    head the last position only (its logits are token_logprobs' check)."""
+    inputs.append(args[0])
+    return (args[0][:, -1:],) + args[1:]
+
+
+@torch.no_grad()
+def head_gives_logits(head, inputs: list, logits: torch.Tensor, shape) -> bool:
+    """Whether the head's input was caught once, at every position of the batch, and the model's
+    logits of the last position are the head's output, bit for bit."""
+    if len(inputs) != 1 or inputs[0].shape[:2] != shape or logits.shape[1] != 1:
+        return False
+    return torch.equal(logits.float(), head(inputs[0][:, -1:]).float())
+
+
+def logprobs_from_logits(logits, ids: torch.Tensor, needed: torch.Tensor, temperature: float):
+    """token_logprobs from the logits of every position [B, T, V]: the plain form, B x T x V x 8
+    bytes (a model whose logits are not its head's, a batch that fits one chunk)."""
+    logits = logits[:, :-1].float() / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return F.pad(logp, (1, 0))
+    return F.pad(torch.where(needed, logp, 0.0), (1, 0))
+
+
+def chunked_logprobs(
+    head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, chunk=LOGPROB_CHUNK
+) -> torch.Tensor:
+    """[N] log-probs of targets [N] after hidden states [N, H], at temperature T, a slice of
+    max(1, chunk // V) rows at a time (V: the vocabulary, the head's output size):
+
+        log pi(y | h) = z_y / T - logsumexp(z / T),   z = head(h)
+
+    With gradients on, each slice runs under activation checkpointing, so backward too holds one
+    slice's logits at a time (it computes them again: one more head forward)."""
+    rows = max(1, chunk // head.weight.shape[0])
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    out = []
+    # one slice at least: with no position to score the result still depends on the model (an
+    # empty micro-batch's backward must reach every layer, for FSDP's collectives)
+    for start in range(0, max(1, hidden.shape[0]), rows):
+        part = (head, hidden[start : start + rows], targets[start : start + rows], temperature)
+        if grad:
+            out.append(checkpoint(slice_logprobs, *part, use_reentrant=False))
+        else:
+            out.append(slice_logprobs(*part))
+    return torch.cat(out)
+
+
+def slice_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """One slice of chunked_logprobs: log_softmax of the fp32 logits over the vocabulary, at the
+    targets (a temperature of 1 divides nothing: the same values, one copy fewer)."""
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
 
 
 # ----------------------------------------------------------------------------- chat rendering

@@ -8,6 +8,10 @@ and intervenes on them, and all processes then run the same number of micro-batc
 forward/backward passes; token counts are summed across processes so that the loss and its
 gradient are those of one process on the global batch.
 
+Without torchrun (--dtype bf16 full fine-tuning on one process) the same sharding runs on a group
+of one process: FSDP2 then keeps the fp32 master weights, the fp32 gradients and AdamW's fp32
+states, and computes in bf16 (extras/scale.py).
+
 Rollout is the classic FSDP trap: processes sample different numbers of turns and corrections, so
 with sharded weights their per-forward all-gathers would deadlock. `gathered` all-gathers each
 layer once on every process and turns resharding off for the whole rollout + RTI + scoring
@@ -33,18 +37,23 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 # ----------------------------------------------------------------------------- processes
 
 
 def join_process_group(device: torch.device) -> None:
     """Join torchrun's process group, once: nccl between GPUs (this process on `device`), gloo
-    between CPUs."""
+    between CPUs. Without torchrun (no WORLD_SIZE): a group of this process alone."""
     if dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 def all_reduce(x: float, op: str = "sum") -> float:
@@ -90,9 +99,10 @@ def is_sharded(model) -> bool:
 
 def shard_model(model, device: torch.device, world: int, dtype: str) -> None:
     """fully_shard every decoder layer (the classes in the model's `_no_split_modules`), then the
-    root (embeddings, final norm, head); each process keeps its shard on `device`. With dtype
-    "bf16" the fp32 shards are all-gathered and computed in bf16, and gradients are reduced in
-    fp32."""
+    root (embeddings, final norm, head); each process keeps its shard on `device`. Shards are
+    fp32 whatever the weights loaded in: each module's weights become fp32 just before it is
+    sharded, so the whole model never exists in fp32 at once. With dtype "bf16" the fp32 shards
+    are all-gathered and computed in bf16, and gradients are reduced in fp32."""
     mesh = init_device_mesh(device.type, (world,))
     if dtype == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -106,9 +116,19 @@ def shard_model(model, device: torch.device, world: int, dtype: str) -> None:
             "(_no_split_modules)"
         )
     for layer in layers:
+        to_fp32(layer)
         fully_shard(layer, mesh=mesh, mp_policy=mp)
+    to_fp32(model)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     set_training_resharding(model)
+
+
+def to_fp32(module) -> None:
+    """The module's floating-point weights that are not sharded yet, in fp32, one at a time (a
+    tied weight once)."""
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != torch.float32 and not isinstance(p, DTensor):
+            p.data = p.data.float()
 
 
 def set_training_resharding(model) -> None:

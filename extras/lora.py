@@ -8,7 +8,7 @@ for a small share of the weights, and a saved model is the adapters alone.
 
 from __future__ import annotations
 
-PEFT_INSTALL = "pip install peft"
+PEFT_INSTALL = "pip install -r requirements-lora.txt (peft)"
 
 
 def add_lora(model, r: int, alpha: float, gradient_checkpointing: bool = False):

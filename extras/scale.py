@@ -1,5 +1,7 @@
-"""rti.py on GPUs: devices and bf16, gradient checkpointing, LoRA, FSDP2; optional (extras/).
+"""rti.py on GPUs: devices and bf16, gradient checkpointing, LoRA, FSDP2, a memory plan; optional
+(extras/).
 
+    python -m extras.scale plan --model-config Qwen3-8B-like --gpus 8 --gpu-mem 141 --context 8192
     python -m extras.scale train --model /models/Qwen3-8B --device cuda --dtype bf16 --lora-r 16 ...
     torchrun --nproc_per_node 8 -m extras.scale train --fsdp --model /models/Qwen3-8B ...
     python -m extras.scale eval MODEL_DIR --device cuda --dtype bf16   # pass@k on a GPU
@@ -8,8 +10,9 @@
 `ScaleConfig` adds the scale flags to rti.Config, and `ScaleBackend` plugs them into rti's loop
 through rti.Backend (the loop's one question: where does the model run). The mechanisms live in
 their own files: extras/lora.py (the adapters), extras/fsdp.py (sharding across torchrun
-processes), extras/chat_tools.py (a real chat model's template with tools) and
-extras/gpu_smoke.py (the smoke test this command runs).
+processes, and fp32 master weights on one), extras/plan.py (the memory plan, checked before
+loading), extras/chat_tools.py (a real chat model's template with tools) and extras/gpu_smoke.py
+(the smoke test this command runs).
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ import torch.distributed as dist
 
 import evaluate
 import rti
-from extras import fsdp
+from extras import fsdp, plan
 from extras.chat_tools import ToolChat, takes_tools
 from extras.gpu_smoke import SMOKE, gpu_smoke
 from extras.lora import PEFT_INSTALL, add_lora
 
 PROG = "-m extras.scale"
-COMMANDS = ("train", "eval", "gpu-smoke")
+COMMANDS = ("train", "eval", "gpu-smoke", "plan")
 DTYPES = ("fp32", "bf16")
 
 
@@ -53,9 +56,18 @@ class ScaleConfig(rti.Config):
     dtype: str = field(
         default="fp32",
         metadata={
-            "help": "compute dtype, and the weights' dtype too, except FSDP's fp32 master shards "
-            "and LoRA's fp32 adapters",
+            "help": "compute dtype; the trained weights stay fp32 (FSDP's shards, fp32 master "
+            "weights on one process, LoRA's adapters) unless --no-master-weights",
             "choices": DTYPES,
+        },
+    )
+    master_weights: bool = field(
+        default=True,
+        metadata={
+            "help": "bf16 full fine-tuning on one process keeps fp32 master weights and fp32 "
+            "AdamW states (FSDP2 on a group of one: 16 bytes a parameter, bf16 compute); "
+            "--no-master-weights: bf16 weights and states (8 bytes a parameter; an AdamW step "
+            "smaller than half of bf16's spacing, 0.2-0.4%% of the weight, is lost)"
         },
     )
     gradient_checkpointing: bool = field(
@@ -89,6 +101,49 @@ class ScaleConfig(rti.Config):
     fsdp: bool = field(
         default=False,
         metadata={"help": "shard the model with FSDP2 across `torchrun --nproc_per_node N`"},
+    )
+    context: int = field(
+        default=0,
+        metadata={
+            "help": "tokens of the longest episode the run plans for (prompt included): the "
+            "memory plan's unit; > 0 also checks the plan before loading on a CUDA device and "
+            "sizes evaluation's decoding batches; 0: no check (plan: the model's positions)"
+        },
+    )
+    prompt_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "memory plan: tokens of an episode's first message, which the rollout's first "
+            "forward pass feeds for every row at once (tau2-telecom's system prompt and tools: "
+            "about 10k); 0: --context"
+        },
+    )
+    decode_tokens: int = field(
+        default=0,
+        metadata={
+            "help": "token budget of one decoding batch, rows x --context: evaluation decodes "
+            "decode_tokens // context episodes at once; 0: as many as the memory plan leaves "
+            "room for with --context, else 256 episodes (rti.evaluate_policy's default)"
+        },
+    )
+    model_config: str = field(
+        default="",
+        metadata={
+            "help": "memory plan: the architecture, a preset ("
+            + ", ".join(plan.PRESETS)
+            + ") or a config.json (or its directory); '' = --model's"
+        },
+    )
+    gpus: int = field(
+        default=0,
+        metadata={"help": "memory plan: GPUs (FSDP2 when > 1); 0: torchrun's processes, or 1"},
+    )
+    gpu_mem: float = field(
+        default=0.0,
+        metadata={
+            "help": "memory plan: GiB of one GPU (141 for an H200, 80 for an H100); 0: the "
+            "CUDA device's own"
+        },
     )
 
     def validate(self) -> None:
@@ -137,6 +192,9 @@ class ScaleConfig(rti.Config):
             "attn_implementation",
             "flash_attention_2 needs: pip install flash-attn (or use sdpa)",
         )
+        for name in ("context", "prompt_tokens", "decode_tokens", "gpus"):
+            need(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        need(self.gpu_mem >= 0, "gpu_mem", f"must be >= 0, got {self.gpu_mem}")
         world = int(os.environ.get("WORLD_SIZE", "1"))
         need(
             not self.fsdp or "WORLD_SIZE" in os.environ,
@@ -169,34 +227,53 @@ def resolve_device(name: str) -> torch.device:
 
 class ScaleBackend(rti.Backend):
     """rti.Backend with the scale flags: device and dtype, attention kernel, gradient
-    checkpointing, LoRA, a chat template with tools, and with --fsdp the process group, sharding,
-    reductions across processes, gathered inference and sharded checkpoints (extras/fsdp.py)."""
+    checkpointing, LoRA, a chat template with tools, the memory plan, and with --fsdp (or fp32
+    master weights on one process) the process group, sharding, reductions across processes,
+    gathered inference and sharded checkpoints (extras/fsdp.py).
+
+    Sharded runs keep fp32 shards and compute in the --dtype (fsdp.shard_model): AdamW updates of
+    about lr are below bf16's resolution. Their weights load in the --dtype (Qwen3's checkpoints
+    are bf16: nothing is lost) and become fp32 layer by layer as they are sharded, so no process
+    holds an fp32 copy of the whole model (8 processes loading Qwen3-8B held 262 GB of host memory
+    in fp32; in bf16, 131 GB, and fp32 one layer at a time)."""
 
     def __init__(self, cfg: ScaleConfig):
         super().__init__(cfg)
         self.device = resolve_device(cfg.device)
-        if cfg.fsdp:
+        self.plan = None
+        if self.device.type == "cuda" and cfg.context and (cfg.model_config or cfg.model != "tiny"):
+            # before anything is loaded: ValueError naming flags that fit (the tiny model fits)
+            self.plan = plan.check(cfg, plan.plan_gpus(cfg), self.gpu_gib())
+        full_bf16 = cfg.dtype == "bf16" and not cfg.lora_r
+        self.master = full_bf16 and cfg.master_weights and not cfg.fsdp
+        self.sharded = cfg.fsdp or self.master
+        if self.sharded:
             fsdp.join_process_group(self.device)
         if dist.is_initialized():
             self.rank = dist.get_rank()
             self.world = dist.get_world_size()
-        # FSDP keeps fp32 master shards and computes in the --dtype (fsdp.shard_model): AdamW
-        # updates of about lr are below bf16's resolution
-        self.dtype = torch.bfloat16 if cfg.dtype == "bf16" and not cfg.fsdp else torch.float32
+        self.dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+
+    def gpu_gib(self) -> float:
+        """--gpu-mem, or the CUDA device's memory in GiB."""
+        if self.cfg.gpu_mem:
+            return self.cfg.gpu_mem
+        return torch.cuda.get_device_properties(self.device).total_memory / plan.GIB
 
     def prepare(self, model, tok, env: str) -> tuple:
         cfg = self.cfg
         if cfg.attn_implementation:
             model.set_attn_implementation(cfg.attn_implementation)
-        model.to(self.dtype)
+        if not self.sharded:
+            model.to(self.dtype)
         if cfg.gradient_checkpointing:
             model.activation_checkpointing_enable(
                 activation_checkpointing_kwargs={"use_reentrant": False}
             )
         if cfg.lora_r:
             model = add_lora(model, cfg.lora_r, cfg.lora_alpha, cfg.gradient_checkpointing)
-        if cfg.fsdp:
-            # moves each layer's shard to this device
+        if self.sharded:
+            # fp32 shards, layer by layer, each on this device
             fsdp.shard_model(model, self.device, self.world, cfg.dtype)
         else:
             model = model.to(self.device)
@@ -228,18 +305,34 @@ class ScaleBackend(rti.Backend):
         per = len(tasks) // self.world
         return tasks[self.rank * per : (self.rank + 1) * per]
 
+    def decode_rows(self, n: int) -> int:
+        """Episodes one evaluation batch decodes at once: --decode-tokens // --context, or what
+        the memory plan leaves room for, or rti's 256; whole tasks of n samples, one at least."""
+        cfg = self.cfg
+        if cfg.decode_tokens and cfg.context:
+            rows = cfg.decode_tokens // cfg.context
+        elif self.plan is not None:
+            rows = self.plan.rows_fit
+        else:
+            rows = 256
+        return max(n, rows // n * n)
+
     def evaluate(self, sampler, tasks: list, n: int, seed: int):
-        """Every process samples its share of the tasks with the weights gathered; successes
-        come back in order."""
+        """Every process samples its share of the tasks with the weights gathered, decode_rows
+        episodes at a time; successes come back in order."""
+        chunk = self.decode_rows(n)
         if self.world == 1:
-            return super().evaluate(sampler, tasks, n, seed)
+            with self.gathered(sampler.model):
+                return rti.evaluate_policy(sampler, tasks, n, seed=seed, chunk=chunk, per_task=True)
         per = math.ceil(len(tasks) / self.world)
         mine = tasks[self.rank * per : (self.rank + 1) * per]
         part = []
         with self.gathered(sampler.model):
             if mine:
                 seed_here = seed + self.rank
-                part = rti.evaluate_policy(sampler, mine, n, seed=seed_here, per_task=True)[1]
+                part = rti.evaluate_policy(
+                    sampler, mine, n, seed=seed_here, chunk=chunk, per_task=True
+                )[1]
         successes = [s for p in self.gather(part) for s in p]
         return evaluate.summarize(successes, k_max=min(4, n)), successes
 
@@ -286,14 +379,34 @@ def smoke(cfg: ScaleConfig) -> None:
         sys.exit(f"gpu-smoke: {e}")
 
 
+def print_plan(cfg: ScaleConfig) -> None:
+    """The plan command: the memory plan of the run's flags (extras/plan.py), before anything is
+    loaded; exit 1 when the run does not fit, naming flags that do."""
+    gpus = plan.plan_gpus(cfg)
+    gpu_gib = cfg.gpu_mem
+    if not gpu_gib and torch.cuda.is_available():
+        gpu_gib = torch.cuda.get_device_properties(0).total_memory / plan.GIB
+    try:
+        run_plan = plan.check(cfg, gpus, gpu_gib)
+    except ValueError as e:
+        sys.exit(f"plan: {e}")
+    print(plan.format_plan(run_plan, plan.plan_flags(cfg)))
+
+
 def main(argv=None) -> None:
     command, _, cfg = rti.parse_args(argv, ScaleConfig, COMMANDS, prog=PROG)
     torch.set_num_threads(cfg.threads)
+    if command == "plan":
+        print_plan(cfg)
+        return
     if command == "gpu-smoke":
         smoke(cfg)
         return
     t0 = time.time()
-    backend = ScaleBackend(cfg)
+    try:
+        backend = ScaleBackend(cfg)
+    except ValueError as e:  # the memory plan says the run does not fit
+        sys.exit(f"{command}: {e}")
     if command == "eval":  # python -m extras.scale eval MODEL_DIR --device cuda ...
         print(rti.eval_table(cfg, backend))
         return

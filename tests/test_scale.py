@@ -1,7 +1,7 @@
-"""extras/scale.py and what it plugs in (chat_tools.py, lora.py, fsdp.py, gpu_smoke.py): tool calls
-with a Qwen3 chat template, bf16 / gradient checkpointing / LoRA, the GPU smoke test's code path,
-flags the machine cannot serve, and FSDP2 on 2 CPU processes (gloo) against 1 process on the same
-global batch.
+"""extras/scale.py and what it plugs in (chat_tools.py, lora.py, fsdp.py, plan.py, gpu_smoke.py):
+tool calls with a Qwen3 chat template, bf16 with fp32 master weights / gradient checkpointing /
+LoRA, the memory plan, the GPU smoke test's code path with long episodes, flags the machine cannot
+serve, and FSDP2 on 2 CPU processes (gloo) against 1 process on the same global batch.
 
 `python -m torch.distributed.run --standalone --nproc_per_node 2 tests/test_scale.py OUT` is the
 2-process worker that test_fsdp_two_processes_match_one_process launches.
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -24,15 +25,13 @@ sys.path.insert(0, str(ROOT))
 import envs  # noqa: E402
 import intervene  # noqa: E402
 import rti  # noqa: E402
-from extras import gpu_smoke, scale  # noqa: E402
+from extras import fsdp, gpu_smoke, plan, scale  # noqa: E402
 from extras.chat_tools import (  # noqa: E402
     NavigationTools,
     ToolChat,
     format_tool_call,
     parse_tool_call,
 )
-
-HAS_PEFT = importlib.util.find_spec("peft") is not None
 
 # Qwen3-8B's chat template (tokenizer_config.json of the hybrid-thinking Qwen3 release): tools in
 # the system message, tool results as <tool_response> blocks in a user turn, enable_thinking=False
@@ -368,7 +367,9 @@ def test_model_path_loads_a_local_model_with_its_template_and_flags(qwen_tok, tm
     # thinking on: no empty block
     assert policy.chat.tools and policy.chat.prompt_post.endswith("assistant\n")
     assert policy.model.config._attn_implementation == "eager"
-    assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
+    # bf16 full fine-tuning: fp32 master weights (FSDP2 on one process)
+    assert fsdp.is_sharded(policy.model)
+    assert {p.dtype for p in policy.model.parameters()} == {torch.float32}
 
 
 # ----------------------------------------------------------------------------- bf16 / ckpt / LoRA
@@ -412,11 +413,45 @@ def changed(policy, before):
     return {n for n, p in before.items() if not torch.equal(p, now[n].detach())}
 
 
-def test_bf16_step(tmp_path):
-    policy, m, before = one_step(small_cfg(tmp_path, dtype="bf16"))
-    assert {p.dtype for p in policy.model.parameters()} == {torch.bfloat16}
+def moved_share(before: dict, model) -> float:
+    """The share of weight elements that a step changed (sharded weights compared whole)."""
+    moved = total = 0
+    for n, p in model.named_parameters():
+        if n in before:
+            now, was = p.detach(), before[n]
+            if isinstance(now, DTensor):
+                now, was = now.full_tensor(), was.full_tensor()
+            moved += int((now != was).sum())
+            total += now.numel()
+    return moved / total
+
+
+@pytest.mark.parametrize("master", [True, False])
+def test_bf16_full_fine_tuning_keeps_fp32_master_weights(tmp_path, master):
+    """With master weights (the default) the weights, gradients and AdamW states are fp32 and the
+    forward runs in bf16; an lr of 1e-5 moves nearly every weight. With --no-master-weights the
+    weights are bf16, and bf16's rounding loses the same step for most of them (all but the
+    smallest)."""
+    cfg = small_cfg(tmp_path, dtype="bf16", master_weights=master, lr=1e-5)
+    policy, m, before = one_step(cfg)
     assert math.isfinite(m["loss"]) and m["trained_rows"] == 8
-    assert changed(policy, before)
+    weights = list(policy.model.parameters())
+    if master:
+        assert fsdp.is_sharded(policy.model)
+        assert {p.dtype for p in weights} == {torch.float32}
+        assert {p.grad.dtype for p in weights if p.grad is not None} == {torch.float32}
+        assert moved_share(before, policy.model) > 0.9
+        computed = []
+        hook = policy.model.model.layers[0].mlp.register_forward_hook(
+            lambda module, args, out: computed.append(out.dtype)
+        )
+        rti.token_logprobs(policy.model, [[1, 2, 3]], 0, 1.0, "cpu")
+        hook.remove()
+        assert computed == [torch.bfloat16]
+    else:
+        assert not fsdp.is_sharded(policy.model)
+        assert {p.dtype for p in weights} == {torch.bfloat16}
+        assert moved_share(before, policy.model) < 0.25
 
 
 def test_gradient_checkpointing_changes_nothing_but_memory(tmp_path):
@@ -429,7 +464,10 @@ def test_gradient_checkpointing_changes_nothing_but_memory(tmp_path):
         assert torch.allclose(p, q, atol=1e-6)
 
 
-@pytest.mark.skipif(not HAS_PEFT, reason="LoRA needs the optional package peft (pip install peft)")
+@pytest.mark.skipif(
+    importlib.util.find_spec("peft") is None,
+    reason="LoRA needs the optional package peft: pip install -r requirements-lora.txt",
+)
 def test_lora_bf16_checkpointing_step_trains_only_adapters(tmp_path):
     policy, m, before = one_step(
         small_cfg(tmp_path, lora_r=4, dtype="bf16", gradient_checkpointing=True)
@@ -481,6 +519,117 @@ def test_gpu_smoke_code_path_runs_on_cpu_with_a_tiny_architecture(tmp_path):
     assert math.isfinite(fig["steps"][0]["loss"])
 
 
+def test_gpu_smoke_makes_episodes_of_the_context(tmp_path):
+    """--context 1024: a long first message and long turns make the longest episode about 1,024
+    tokens (Qwen3-8B's default run asks 8,192 on a GPU)."""
+    arch = dict(
+        gpu_smoke.QWEN3_8B,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=500,
+    )
+    cfg = small_cfg(tmp_path, batch_tasks=1, context=1024, mini_batches=1)
+    fig = gpu_smoke.gpu_smoke(cfg, scale.ScaleBackend, arch=arch, steps=1, log=rti.silent)
+    assert fig["first_message_tokens"] > 400 and fig["turn_tokens"] > 4
+    assert 900 <= fig["longest_episode_tokens"] <= 1024
+    assert fig["plan_peak_gib"] > 0 and fig["steps"][0]["trained_rows"] == 4, fig
+
+
+# ----------------------------------------------------------------------------- the memory plan
+
+
+def test_presets_have_their_model_cards_parameter_counts():
+    billions = {
+        name: round(plan.Arch.from_config(c).params() / 1e9, 2) for name, c in plan.PRESETS.items()
+    }
+    assert billions == {
+        "Qwen3-0.6B-like": 0.6,
+        "Qwen3-1.7B-like": 1.72,
+        "Qwen3-4B-like": 4.02,
+        "Qwen3-8B-like": 8.19,
+        "Qwen3-14B-like": 14.77,
+        "Qwen3-32B-like": 32.76,
+    }
+    qwen3_8b = plan.Arch.from_config(plan.QWEN3_8B)
+    assert qwen3_8b.params() == qwen3_params(plan.QWEN3_8B)
+    assert qwen3_8b.kv_bytes(2) == 144 * 1024  # 144 KiB a token in bf16
+
+
+def plan_run(capsys, *flags):
+    """(exit status, stdout, stderr) of `python -m extras.scale plan FLAGS`."""
+    try:
+        scale.main(["plan", "--model-config", "Qwen3-8B-like", "--gpu-mem", "141", *flags])
+    except SystemExit as e:  # sys.exit(message) or argparse's exit 2
+        out = capsys.readouterr()
+        if isinstance(e.code, str):
+            return 1, out.out, e.code
+        return e.code, out.out, out.err
+    return 0, capsys.readouterr().out, ""
+
+
+def test_plan_of_a_lora_run_on_one_h200(capsys):
+    flags = ["--dtype", "bf16", "--lora-r", "16", "--gradient-checkpointing", "--context", "8192"]
+    code, out, _ = plan_run(capsys, *flags, "--batch-tasks", "4")
+    assert code == 0 and out.rstrip().endswith("fits")
+    # 4 tasks x 8 samples of 8,192 tokens: 36 GiB of keys and values, up to twice allocated
+    assert "| rollout KV cache | 72.0 |" in out
+    assert "32 rows x 8192 tokens x 144 KiB" in out
+    assert "the full-vocabulary form took 111.3 GiB" in out  # 8 rows of 8k, as the issue measured
+    for part in ("weights", "gradients", "AdamW states", "update activations", "update log-probs"):
+        assert f"| {part} |" in out
+    # 8 tasks: 64 rows, whose first forward pass and KV cache do not fit
+    code, _, err = plan_run(capsys, *flags)
+    assert code and "the rollout needs 220.1 GiB" in err and "--batch-tasks 4" in err
+
+
+def test_plan_refuses_full_fine_tuning_of_8b_on_one_gpu_and_names_flags_that_fit(capsys):
+    code, _, err = plan_run(
+        capsys, "--dtype", "bf16", "--gradient-checkpointing", "--context", "8192"
+    )
+    assert code and "plan: the run does not fit 1 GPU(s) of 141 GiB" in err
+    assert "fp32 master weights" in err and "flags that fit:" in err and "--lora-r 16" in err
+
+
+def test_plan_of_8_gpus_shards_and_splits_the_batch(capsys):
+    code, out, _ = plan_run(
+        capsys, "--gpus", "8", "--dtype", "bf16", "--gradient-checkpointing", "--context", "16384"
+    )
+    assert code == 0 and "FSDP2, full fine-tuning" in out
+    assert "| weights | 3.8 | fp32 shards, 1/8 each |" in out  # 8.19B x 4 bytes / 8
+    assert "training rollout: 8 rows" in out
+
+
+@pytest.mark.parametrize(
+    "flags,expect",
+    [
+        (["--gpus", "8", "--batch-tasks", "4"], "--batch-tasks: 4 tasks do not split"),
+        (["--model-config", "Qwen9-1T"], "--model-config: 'Qwen9-1T' is neither a preset"),
+        (["--gpu-mem", "0"], "--gpu-mem: the memory of one GPU in GiB is needed"),
+    ],
+)
+def test_plan_says_which_flag_is_wrong(capsys, flags, expect, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = plan_run(capsys, *flags)
+    assert code and expect in err
+
+
+def test_plan_reads_a_model_directory_and_sizes_evaluation(tmp_path, capsys):
+    """A config.json is all the plan reads; evaluation decodes as many episodes as fit, in whole
+    tasks, and --decode-tokens caps them."""
+    _, tok = rti.load_model("tiny")
+    rti.build_tiny_model(len(tok)).save_pretrained(tmp_path / "m")
+    cfg = small_cfg(tmp_path, model_config=str(tmp_path / "m"), context=2048, eval_tasks=100)
+    tiny = plan.check(cfg, 1, 40.0)
+    assert tiny.fits and tiny.rows_fit > 400 and tiny.eval_rows == 400  # 100 tasks x 4 samples
+    backend = scale.ScaleBackend(small_cfg(tmp_path, context=2048, decode_tokens=2048 * 10))
+    assert backend.decode_rows(4) == 8  # 10 rows fit: two tasks of 4 samples
+    assert scale.ScaleBackend(small_cfg(tmp_path)).decode_rows(4) == 256  # rti's default
+
+
 # ----------------------------------------------------------------------------- flags refused
 
 FIND_SPEC = importlib.util.find_spec
@@ -504,8 +653,10 @@ def no_peft(name, *a, **kw):
         (["--fsdp"], {}, {}, "torchrun --nproc_per_node"),
         ([], {"WORLD_SIZE": "2"}, {}, "add --fsdp"),
         (["--fsdp", "--batch-tasks", "3"], {"WORLD_SIZE": "2"}, {}, "--batch-tasks"),
-        (["--lora-r", "8"], {}, {"no_peft": True}, "pip install peft"),
+        (["--lora-r", "8"], {}, {"no_peft": True}, "pip install -r requirements-lora.txt"),
         (["--attn-implementation", "flash_attention_2"], {}, {}, "pip install flash-attn"),
+        (["--kl-coef", "0.1"], {}, {}, "--kl-coef: the KL penalty needs a reference model"),
+        (["--context", "-1"], {}, {}, "--context: must be >= 0"),
     ],
 )
 def test_flags_the_machine_cannot_serve_say_what_to_change(
