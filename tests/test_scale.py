@@ -426,7 +426,7 @@ def moved_share(before: dict, model) -> float:
     return moved / total
 
 
-@pytest.mark.parametrize("master", [True, False])
+@pytest.mark.parametrize("master", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_bf16_full_fine_tuning_keeps_fp32_master_weights(tmp_path, master):
     """With master weights (the default) the weights, gradients and AdamW states are fp32 and the
     forward runs in bf16; an lr of 1e-5 moves nearly every weight. With --no-master-weights the
