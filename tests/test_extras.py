@@ -50,6 +50,7 @@ FREE_FORM = {
         **CONFIG_FREE_FORM,
         "device": "cuda:N names any GPU",
         "attn_implementation": "transformers' kernels, hub kernels included",
+        "model_config": "a preset name, a model directory or a config.json",
     },
     "extras.tau2": {"split": "tau2's split names, from the tau2 package"},
     "extras.trl_rti": {"model": "any model directory", "out": "any directory"},
