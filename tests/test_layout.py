@@ -229,13 +229,18 @@ def test_intervene_runs_with_a_policy_and_trajectories_written_here():
         assert trained == [(INTERVENED, 0.0)] * 2 + [(POLICY, -0.5)] * 6 + [(INTERVENED, 0.0)] * 2
 
 
-def test_ci_runs_the_readme_test_command():
-    """CI runs exactly the command the README gives for the tests: the second command of its first
-    block (a line that ends in a backslash goes on on the next; comments and spacing aside)."""
+def readme_test_command() -> str:
+    """The command the README gives for the tests: the second command of its first block (a line
+    that ends in a backslash goes on on the next; comments and spacing aside)."""
     block = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
     lines = block.replace("\\\n", " ").splitlines()
     commands = [" ".join(line.split()) for line in lines if line.strip()[:1] not in ("", "#")]
-    test_command = commands[1].split(" #")[0]
+    return commands[1].split(" #")[0]
+
+
+def test_ci_runs_the_readme_test_command():
+    """CI runs exactly the command the README gives for the tests."""
+    test_command = readme_test_command()
     ci_lines = [" ".join(line.split()) for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_command.startswith("pip install") and test_command in ci_lines
 
@@ -249,8 +254,7 @@ def test_the_test_command_installs_every_package_a_test_skips_without():
         skipped |= set(re.findall(r'importorskip\(\s*"(\w+)"', text))
         skipped |= set(re.findall(r'skipif\(\s*importlib\.util\.find_spec\("(\w+)"\)', text))
     assert {"peft", "trl", "tau2"} <= skipped  # the pattern still finds them
-    commands = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
-    test_command = commands.split("# the tests", 1)[1]  # the demo's line comes before it
+    test_command = readme_test_command()
     assert "requirements-dev.txt" in test_command
     installed = set(re.findall(r"([\w-]+)==", test_command))
     files = ["requirements-dev.txt"]
