@@ -9,6 +9,11 @@ steps; `--jobs` runs go at a time. The same command again resumes: finished runs
 unfinished ones go on from their last checkpoint. Then it writes the report (compare.md,
 compare.csv: extras/compare_report.py) and the figures (fig5, fig6, fig7:
 extras/compare_figures.py) under --out.
+
+    python -m extras.compare --equal-episodes results/a results/b --seeds 0 1 2 --out results/ab
+
+reads the runs of earlier comparisons (with other --steps, say) and writes equal_episodes.md:
+every method found there, per seed, at equal sampled episodes.
 """
 
 from __future__ import annotations
@@ -205,6 +210,46 @@ def warm_batch(model_dir, seed: int = 0, n_tasks: int = 32) -> tuple:
     return policy, batch
 
 
+def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[str]:
+    """The compute table (compute_table) over the runs of earlier comparisons, wherever they lie:
+    every method of METHODS with a metrics log for each seed in one of `folders` (the first folder
+    holding it wins), written to out_dir/equal_episodes.md with the command that made it."""
+    logs = {}
+    for name in METHODS:
+        for seed in seeds:
+            found = [Path(f) / f"{slug(name)}-s{seed}" / "metrics.jsonl" for f in folders]
+            found = [path for path in found if path.exists()]
+            if found:
+                logs[(name, seed)] = read_jsonl(found[0])
+    methods = [name for name in METHODS if all((name, s) in logs for s in seeds)]
+    if not methods:
+        raise SystemExit(f"no method has a metrics.jsonl for every seed {seeds} in {folders}")
+    table = compute_table(logs, seeds, methods)
+    if not table:
+        raise SystemExit("these runs' logs record no compute (total/episodes): runs of older code")
+    command = " ".join(
+        [
+            "python -m extras.compare --equal-episodes",
+            *folders,
+            "--seeds",
+            *map(str, seeds),
+            "--out",
+            out_dir,
+        ]
+    )
+    lines = [
+        f"Per seed and method at equal sampled episodes: each run's last test evaluation within "
+        f"the seed's smallest final episode count over the methods. Command: `{command}`",
+        "",
+        *table,
+    ]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "equal_episodes.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return lines
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m extras.compare",
@@ -233,6 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default="results", help="directory of the runs, the report and the figures"
     )
     p.add_argument(
+        "--equal-episodes",
+        nargs="+",
+        metavar="DIR",
+        help="run nothing: read the runs under these --out folders of earlier comparisons (of "
+        "any --steps) and write --out/equal_episodes.md, every method per seed at equal sampled "
+        "episodes",
+    )
+    p.add_argument(
         "extra",
         nargs=argparse.REMAINDER,
         help="flags passed on to every `python rti.py` run (after --)",
@@ -243,6 +296,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     extra = [a for a in args.extra if a != "--"]
+    if args.equal_episodes:
+        if extra:
+            raise SystemExit("--equal-episodes runs nothing: it takes no flags after --")
+        equal_episodes(args.equal_episodes, args.seeds, args.out)
+        return
     compare(args.seeds, args.out, args.quick, args.jobs, extra, args.methods)
 
 

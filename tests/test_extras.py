@@ -45,7 +45,11 @@ FREE_FORM = {
     "extras.audit": {},
     "extras.bench": {"model": "any model directory"},
     "extras.bench_trl": {"model": "any model directory", "out": "any directory"},
-    "extras.compare": {"out": "any directory", "extra": "any flags of rti.py"},
+    "extras.compare": {
+        "out": "any directory",
+        "extra": "any flags of rti.py",
+        "equal_episodes": "--out folders of earlier comparisons",
+    },
     "extras.scale": {
         **CONFIG_FREE_FORM,
         "device": "cuda:N names any GPU",
@@ -351,28 +355,30 @@ def test_one_warm_start_batch_gives_the_corrections_line_and_fig7(tmp_path):
     assert (tmp_path / "fig7.png").stat().st_size > 0
 
 
+def compute_log(episodes_per_step: int, p1: dict[int, float], steps: int = 4) -> list[dict]:
+    """A metrics log as rti.Progress writes it: compute totals every step, test p@1 at `p1`'s
+    steps, one training minute a step."""
+    rows = []
+    for step in range(1, steps + 1):
+        rows.append(
+            {
+                "step": step,
+                "total/episodes": episodes_per_step * step,
+                "total/generated_tokens": 10 * episodes_per_step * step,
+                "time/train_total": 60.0 * step,
+            }
+        )
+        if step in p1:
+            rows.append({"step": step, "test/p@1": p1[step]})
+    return rows
+
+
 def test_compute_table_compares_methods_at_equal_sampled_episodes():
     """A method that samples more per step is read at the last evaluation within the smallest
     final episode count of its seed."""
-
-    def log(episodes_per_step: int, p1: dict[int, float]) -> list[dict]:
-        rows = []
-        for step in range(1, 5):
-            rows.append(
-                {
-                    "step": step,
-                    "total/episodes": episodes_per_step * step,
-                    "total/generated_tokens": 10 * episodes_per_step * step,
-                    "time/train_total": 60.0 * step,
-                }
-            )
-            if step in p1:
-                rows.append({"step": step, "test/p@1": p1[step]})
-        return rows
-
     logs = {
-        ("GRPO", 0): log(64, {2: 5.0, 4: 6.0}),
-        ("RTI", 0): log(128, {2: 40.0, 4: 80.0}),
+        ("GRPO", 0): compute_log(64, {2: 5.0, 4: 6.0}),
+        ("RTI", 0): compute_log(128, {2: 40.0, 4: 80.0}),
     }
     lines = compare_report.compute_table(logs, [0], ["GRPO", "RTI"])
     grpo, rti_row = lines[2], lines[3]
@@ -381,3 +387,28 @@ def test_compute_table_compares_methods_at_equal_sampled_episodes():
     assert rti_row == "| 0 | RTI | 512 | 5,120 | 4.0 | 80.00 | 40.00 (2) |"
     logs[("GRPO", 0)] = [{"step": 1, "train_success": 0.0}]  # a log of older code
     assert compare_report.compute_table(logs, [0], ["GRPO", "RTI"]) == []
+
+
+def test_equal_episodes_reads_runs_of_several_comparisons(tmp_path):
+    """Runs of different --steps in two --out folders are set side by side in one table; a folder
+    without a method's runs for every seed is an error naming the seeds."""
+
+    def write_run(folder: str, name: str, rows: list[dict]) -> None:
+        run = tmp_path / folder / f"{compare.slug(name)}-s0"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    write_run("a", "GRPO", compute_log(64, {2: 5.0, 4: 6.0}))
+    write_run("a", "RTI", compute_log(128, {2: 40.0, 4: 80.0}))
+    write_run("b", "GRPO + dynamic sampling", compute_log(256, {1: 7.0}, steps=1))
+    out = tmp_path / "ab"
+    compare.main(
+        ["--equal-episodes", str(tmp_path / "a"), str(tmp_path / "b"), "--seeds", "0"]
+        + ["--out", str(out)]
+    )
+    table = (out / "equal_episodes.md").read_text().splitlines()
+    assert "| 0 | GRPO | 256 | 2,560 | 4.0 | 6.00 | 6.00 (4) |" in table
+    assert "| 0 | GRPO + dynamic sampling | 256 | 2,560 | 1.0 | 7.00 | 7.00 (1) |" in table
+    assert "| 0 | RTI | 512 | 5,120 | 4.0 | 80.00 | 40.00 (2) |" in table
+    with pytest.raises(SystemExit, match=r"for every seed \[0, 1\]"):
+        compare.main(["--equal-episodes", str(tmp_path / "a"), "--seeds", "0", "1"])
