@@ -44,8 +44,8 @@ from extras.compare_report import (
 )
 
 # the paper's Table 3 rows and the strong baseline practitioners use for sparse rewards (DAPO's
-# dynamic sampling), all from the same warm start, budget and seeds; GRPO at the learning rate
-# chosen for it on val (1e-4, rti.py's default chosen for RTI, collapses GRPO on some seeds)
+# dynamic sampling), all from the same warm start, budget and seeds; each method at the learning
+# rate chosen for it on val: GRPO 3e-5 (at 1e-4 it collapses on some seeds), RTI rti.py's 1e-4
 GRPO_LR = "3e-5"
 METHODS = {
     "GRPO": ["--method", "grpo", "--lr", GRPO_LR],
