@@ -84,20 +84,27 @@ def run_one(args: tuple) -> str:
 
 
 def command_line(
-    seeds: list[int], out_dir: str, quick: bool, jobs: int, extra: list[str], methods
+    seeds: list[int],
+    out_dir: str,
+    quick: bool = False,
+    jobs: int | None = None,
+    extra: list[str] = (),
+    methods=tuple(METHODS),
+    equal_episodes: list[str] = (),
 ) -> str:
-    """The `python -m extras.compare` command that reproduces a comparison, for its report."""
+    """The `python -m extras.compare` command that reproduces a comparison (or an
+    --equal-episodes table), for its report."""
     subset = []
     if list(methods) != list(METHODS):
         subset = ["--methods", *(f'"{m}"' if " " in m else m for m in methods)]
     words = [
         "python -m extras.compare",
         *(["--quick"] if quick else []),
+        *(["--equal-episodes", *equal_episodes] if equal_episodes else []),
         "--seeds",
         *map(str, seeds),
         *subset,
-        "--jobs",
-        str(jobs),
+        *(["--jobs", str(jobs)] if jobs is not None else []),
         "--out",
         out_dir,
         *(["--", *extra] if extra else []),
@@ -140,7 +147,7 @@ def compare(
     results = {
         run: json.loads((Path(w[1]) / "results.json").read_text()) for run, w in zip(runs, work)
     }
-    logs = read_logs(out, methods, seeds)
+    logs = read_logs([out], methods, seeds)
     command = command_line(seeds, out_dir, quick, jobs, extra, methods)
     curves = curve_table(logs, seeds, warm[0]["p@1"], methods)
     minutes = training_minutes(logs, seeds, methods)
@@ -171,13 +178,17 @@ def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
 
-def read_logs(out: Path, methods, seeds: list[int]) -> dict[tuple[str, int], list[dict]]:
-    """Every run's metrics.jsonl, read once for the report's tables and figures."""
-    return {
-        (name, s): read_jsonl(out / f"{slug(name)}-s{s}" / "metrics.jsonl")
-        for name in methods
-        for s in seeds
-    }
+def read_logs(folders: list, methods, seeds: list[int]) -> dict[tuple[str, int], list[dict]]:
+    """Every run's metrics.jsonl, read once for the report's tables and figures: the run of
+    (method, seed) from the first of `folders` that holds it; a run found in none is left out."""
+    logs = {}
+    for name in methods:
+        for seed in seeds:
+            paths = [Path(f) / f"{slug(name)}-s{seed}" / "metrics.jsonl" for f in folders]
+            found = [path for path in paths if path.exists()]
+            if found:
+                logs[(name, seed)] = read_jsonl(found[0])
+    return logs
 
 
 def warm_boundary(
@@ -214,29 +225,14 @@ def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[s
     """The compute table (compute_table) over the runs of earlier comparisons, wherever they lie:
     every method of METHODS with a metrics log for each seed in one of `folders` (the first folder
     holding it wins), written to out_dir/equal_episodes.md with the command that made it."""
-    logs = {}
-    for name in METHODS:
-        for seed in seeds:
-            found = [Path(f) / f"{slug(name)}-s{seed}" / "metrics.jsonl" for f in folders]
-            found = [path for path in found if path.exists()]
-            if found:
-                logs[(name, seed)] = read_jsonl(found[0])
+    logs = read_logs(folders, METHODS, seeds)
     methods = [name for name in METHODS if all((name, s) in logs for s in seeds)]
     if not methods:
         raise SystemExit(f"no method has a metrics.jsonl for every seed {seeds} in {folders}")
     table = compute_table(logs, seeds, methods)
     if not table:
         raise SystemExit("these runs' logs record no compute (total/episodes): runs of older code")
-    command = " ".join(
-        [
-            "python -m extras.compare --equal-episodes",
-            *folders,
-            "--seeds",
-            *map(str, seeds),
-            "--out",
-            out_dir,
-        ]
-    )
+    command = command_line(seeds, out_dir, equal_episodes=folders)
     lines = [
         f"Per seed and method at equal sampled episodes: each run's last test evaluation within "
         f"the seed's smallest final episode count over the methods. Command: `{command}`",

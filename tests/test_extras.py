@@ -227,12 +227,12 @@ def test_curve_table_gives_each_evaluation_and_each_seeds_gap(tmp_path):
             (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     methods = list(compare.METHODS)
     lines = compare_report.curve_table(
-        compare.read_logs(tmp_path, methods, [0, 1]), [0, 1], 5.0, methods
+        compare.read_logs([tmp_path], methods, [0, 1]), [0, 1], 5.0, methods
     )
     assert lines[0] == "| p@1 at step | 0 | 8 | 16 |"
     assert "| GRPO | 5.00 | 10.50 | 10.50 |" in lines and "| RTI | 5.00 | 25.00 | 37.50 |" in lines
     assert "| RTI - GRPO, seed 1 | +0.00 | +9.00 | +26.00 |" in lines
-    logs = compare.read_logs(tmp_path, ["RTI w/o verifier"], [0, 1])
+    logs = compare.read_logs([tmp_path], ["RTI w/o verifier"], [0, 1])
     lines = compare_report.curve_table(logs, [0, 1], 5.0, ["RTI w/o verifier"])
     # no gap rows
     assert lines[2] == "| RTI w/o verifier | 5.00 | 25.00 | 37.50 |" and len(lines) == 3
@@ -410,5 +410,7 @@ def test_equal_episodes_reads_runs_of_several_comparisons(tmp_path):
     assert "| 0 | GRPO | 256 | 2,560 | 4.0 | 6.00 | 6.00 (4) |" in table
     assert "| 0 | GRPO + dynamic sampling | 256 | 2,560 | 1.0 | 7.00 | 7.00 (1) |" in table
     assert "| 0 | RTI | 512 | 5,120 | 4.0 | 80.00 | 40.00 (2) |" in table
+    command = f"python -m extras.compare --equal-episodes {tmp_path / 'a'} {tmp_path / 'b'}"
+    assert f"Command: `{command} --seeds 0 --out {out}`" in table[0]
     with pytest.raises(SystemExit, match=r"for every seed \[0, 1\]"):
         compare.main(["--equal-episodes", str(tmp_path / "a"), "--seeds", "0", "1"])
