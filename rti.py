@@ -150,8 +150,8 @@ class Config:
     lr: float = field(
         default=1e-4,
         metadata={
-            "help": "AdamW learning rate (1e-4 chosen for rti on val; GRPO's was chosen apart: 3e-5,"
-            " as extras.compare runs it)"
+            "help": "AdamW learning rate (1e-4 chosen for rti on val; GRPO's was chosen apart, per"
+            " warm start: 3e-5 from warmstart-route0, 1e-4 from warmstart)"
         },
     )
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})

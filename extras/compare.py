@@ -45,7 +45,8 @@ from extras.compare_report import (
 
 # the paper's Table 3 rows and the strong baseline practitioners use for sparse rewards (DAPO's
 # dynamic sampling), all from the same warm start, budget and seeds; each method at the learning
-# rate chosen for it on val: GRPO 3e-5 (at 1e-4 it collapses on some seeds), RTI rti.py's 1e-4
+# rate chosen for it on val: RTI rti.py's 1e-4; GRPO 3e-5 from warmstart-route0 (at 1e-4 it
+# collapses there), 1e-4 from warmstart (pass `-- --lr 1e-4`, which leaves RTI's as it is)
 GRPO_LR = "3e-5"
 METHODS = {
     "GRPO": ["--method", "grpo", "--lr", GRPO_LR],
