@@ -40,6 +40,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 from transformers import (
+    AttentionInterface,
+    AttentionMaskInterface,
     AutoModelForCausalLM,
     AutoTokenizer,
     DynamicCache,
@@ -48,6 +50,8 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 import envs
 import evaluate
@@ -779,6 +783,38 @@ def sample_token(
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
 
+def sdpa_shared_kv(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, except on the CPU for several query tokens under a mask (a
+    decoding session's fed chunks): there grouped-query attention reads each KV head where it is
+    (SDPA's enable_gqa) instead of copying it once per query head first (transformers' repeat_kv,
+    which copies the whole cache at every layer). The same values bit for bit (tests check)."""
+    plain = (
+        query.device.type != "cpu"
+        or getattr(module, "num_key_value_groups", 1) == 1
+        or query.shape[2] == 1  # one query token: transformers packs the heads already
+        or attention_mask is None  # transformers uses enable_gqa already
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+    )
+    if plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=kwargs.get("dropout", 0.0),
+        scale=kwargs.get("scaling"),
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+SDPA_SHARED_KV = "sdpa_shared_kv"
+AttentionInterface.register(SDPA_SHARED_KV, sdpa_shared_kv)
+AttentionMaskInterface.register(SDPA_SHARED_KV, sdpa_mask)  # SDPA's masks, as for "sdpa"
+
+
 class KVBuffer(DynamicLayer):
     """One layer's KV cache in a preallocated buffer that doubles when full: a fed token is
     written in place, where transformers' DynamicLayer copies the whole cache (torch.cat) at
@@ -807,6 +843,27 @@ class KVBuffer(DynamicLayer):
         self.value_buffer = values.new_empty(rows, heads, capacity, head_dim)
         self.key_buffer[:, :, :slots] = keys
         self.value_buffer[:, :, :slots] = values
+        self.keys = self.key_buffer[:, :, :slots]
+        self.values = self.value_buffer[:, :, :slots]
+
+    def pack(self, rows: torch.Tensor, columns: torch.Tensor) -> None:
+        """Keep rows `rows` of the cache, renumbered, row i holding its slots columns[i] in its
+        first columns: one gather from the old buffer into the new one."""
+        _, heads, capacity, head_dim = self.key_buffer.shape
+        n, slots = columns.shape
+        # the (row, head, slot) cells to keep, in the old buffer seen as [cells, head_dim]
+        head = torch.arange(heads, device=rows.device)
+        cells = (
+            (rows[:, None, None] * heads + head[:, None]) * capacity + columns[:, None, :]
+        ).flatten()
+
+        def packed(buffer: torch.Tensor) -> torch.Tensor:
+            out = buffer.new_empty(n, heads, max(2 * slots, 64), head_dim)
+            out[:, :, :slots] = buffer.view(-1, head_dim)[cells].view(n, heads, slots, head_dim)
+            return out
+
+        self.key_buffer = packed(self.key_buffer)
+        self.value_buffer = packed(self.value_buffer)
         self.keys = self.key_buffer[:, :, :slots]
         self.values = self.value_buffer[:, :, :slots]
 
@@ -875,9 +932,11 @@ class DecodeSession:
         last = lengths[fed] - 1
         # only the columns whose logits are used: all of them is GBs at a 150k vocabulary
         columns = torch.unique(last)
+        # the first chunks fill an empty cache left-aligned: under causal attention no real token
+        # sees the pads after it, so no mask is needed, and SDPA runs its causal kernel
         out = self.model(
             input_ids=ids,
-            attention_mask=self.mask,
+            attention_mask=self.mask if start else None,
             position_ids=positions,
             cache=self.cache,
             use_cache=True,
@@ -933,10 +992,7 @@ class DecodeSession:
             columns = columns.clamp(min=0)
             real = [list(range(len(slots))) for slots in real]
             for layer in self.cache.layers:
-                heads = layer.keys.shape[1]
-                head_dim = layer.keys.shape[-1]
-                at = columns[:, None, :, None].expand(-1, heads, -1, head_dim)
-                layer.set(layer.keys[idx].gather(2, at), layer.values[idx].gather(2, at))
+                layer.pack(idx, columns)
         self.real_slots = real
         self.length = self.length[idx]
         self.last_logits = self.last_logits[idx]
@@ -1172,18 +1228,24 @@ def load_model(
 ):
     """(model, tokenizer). `tiny` builds both from scratch: a word-level tokenizer over the words
     of `env` and of intervene's prompts, with a chat template, and build_tiny_model. A directory
-    loads any local Hugging Face causal LM (nothing is downloaded)."""
+    loads any local Hugging Face causal LM (nothing is downloaded). A model on transformers' SDPA
+    attention gets sdpa_shared_kv: the same values, faster in decoding sessions on the CPU."""
     if path_or_tiny == "tiny":
         tok = build_tiny_tokenizer(env)
-        return build_tiny_model(len(tok), seed).to(dtype), tok
-    if not Path(path_or_tiny).is_dir():
+        model = build_tiny_model(len(tok), seed).to(dtype)
+    elif not Path(path_or_tiny).is_dir():
         raise FileNotFoundError(
             f"model directory {path_or_tiny!r} not found (nothing is downloaded)"
         )
-    tok = AutoTokenizer.from_pretrained(path_or_tiny, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path_or_tiny, local_files_only=True, dtype=dtype)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+    else:
+        tok = AutoTokenizer.from_pretrained(path_or_tiny, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path_or_tiny, local_files_only=True, dtype=dtype
+        )
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+    if model.config._attn_implementation == "sdpa":
+        model.set_attn_implementation(SDPA_SHARED_KV)
     return model, tok
 
 

@@ -1,6 +1,7 @@
 """Side-by-side speed figures of the core (printed, never asserted); optional (extras/).
 
 python -m extras.bench [MODEL_DIR] --repeats 2 --threads 2   # on an otherwise idle machine
+python -m extras.bench --repeats 0                            # only the demo's time split
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import tempfile
 import time
 
 import torch
@@ -111,6 +113,20 @@ def bench(
         )
 
 
+def demo_split() -> None:
+    """The demo as `python rti.py` runs it (its defaults: the warm start, 8 RTI steps of 8 x 8, an
+    evaluation of 100 test tasks x 4 before and after, 2 threads) and where its time goes."""
+    with tempfile.TemporaryDirectory() as out:
+        start = time.perf_counter()
+        res = rti.train(rti.make_config(out=out, progress=False), log=rti.silent)
+        wall = time.perf_counter() - start
+    parts = res["seconds"]
+    parts["other (loading, tasks, checkpoints)"] = wall - sum(parts.values())
+    print(f"the demo (python rti.py): {wall:.0f} s in train()")
+    for name, seconds in parts.items():
+        print(f"  {name:38s} {seconds:6.1f} s  {100 * seconds / wall:5.1f}%")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m extras.bench",
@@ -122,12 +138,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", type=int, default=8, help="G: episodes sampled per task")
     p.add_argument("--repeats", type=int, default=3, help="alternating repeats of each measurement")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument(
+        "--demo",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also run the demo (its own settings) and print its time split",
+    )
     return p
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    bench(args.model, args.tasks, args.group, args.repeats, args.threads)
+    if args.repeats:
+        bench(args.model, args.tasks, args.group, args.repeats, args.threads)
+    if args.demo:
+        demo_split()
 
 
 if __name__ == "__main__":

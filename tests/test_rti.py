@@ -87,6 +87,31 @@ def test_session_with_holes_matches_each_sequence_alone(tiny):
         assert torch.allclose(s.last_logits[i], ref, atol=1e-4)
 
 
+def test_sessions_compute_transformers_sdpa_bit_for_bit(tiny):
+    """load_model gives a model SDPA_SHARED_KV: a fed chunk reads the KV heads in place (SDPA's
+    enable_gqa) where transformers' SDPA copies each once per query head, and the first chunks,
+    left-aligned in an empty cache, run without a mask. The logits are plain SDPA's with the
+    padding mask, bit for bit, so sampling is unchanged."""
+    model, tok = tiny
+    assert model.config._attn_implementation == rti.SDPA_SHARED_KV
+    plain = copy.deepcopy(model)
+    plain.set_attn_implementation("sdpa")
+    rng = random.Random(0)
+    seqs = [[rng.randrange(6, len(tok)) for _ in range(n)] for n in (5, 40, 3)]
+    extra = [[rng.randrange(6, len(tok)) for _ in range(n)] for n in (12, 0, 6)]
+    ours, theirs = (rti.DecodeSession(m, seqs, tok.pad_token_id) for m in (model, plain))
+    ids = rti.pad_rows(seqs, tok.pad_token_id, torch.long, "cpu")
+    mask = (rti.pad_rows(seqs, -1, torch.long, "cpu") >= 0).long()
+    with torch.no_grad():
+        masked = plain(input_ids=ids, attention_mask=mask).logits
+    last = [len(s) - 1 for s in seqs]
+    assert torch.equal(ours.last_logits, masked[range(3), last])
+    for chunks in ([extra[0], [], extra[2]], [[7], [8], [9]]):  # a chunk with holes, a decode
+        for s in (ours, theirs):
+            s.feed([0, 1, 2], chunks)
+        assert torch.equal(ours.last_logits, theirs.last_logits)
+
+
 def test_keep_packs_out_holes(tiny):
     """Rows fed in turn leave holes where the other row was fed; keep() packs each row's real tokens to the left, so
     the cache is as wide as the longest row, and both rows still compute exactly what they would alone."""
