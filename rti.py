@@ -1359,6 +1359,7 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
     checkpoints. Returns the test metrics {"before", "after"} (evaluate.summarize), the run's
     intervention statistics and the sampler. With several processes each runs it on its share of
     every batch; process 0 logs and writes."""
+    cfg.validate()  # the command line's errors for a config built in Python (make_config)
     backend = backend or Backend(cfg)
     seed_everything(cfg.seed, cfg.threads)
     main_process = backend.rank == 0

@@ -470,6 +470,14 @@ def test_bad_flags_stop_with_a_message_naming_the_flag(flags, name, capsys):
     assert name in capsys.readouterr().err
 
 
+def test_a_config_built_in_python_gets_the_command_lines_errors(tmp_path):
+    """train() validates its config as the command line does: a bad value built with make_config
+    stops before any work with the flag's message, not with an error deep in the loop."""
+    with pytest.raises(ValueError, match="--save-every: must be >= 1"):
+        rti.train(rti.make_config(save_every=0, out=str(tmp_path)), log=rti.silent)
+    assert not any(tmp_path.iterdir())
+
+
 def test_end_to_end_smoke(tmp_path, capsys):
     """A warm start of a few steps (python -m extras.warmstart), then `python rti.py` with RTI for two steps and a
     before/after evaluation, then `python rti.py eval` of the trained model."""
