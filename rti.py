@@ -838,13 +838,19 @@ class KVBuffer(DynamicLayer):
         """Hold `keys` and `values` ([rows, heads, slots, head_dim]) in a new buffer with room for
         `capacity` slots (at least twice theirs)."""
         rows, heads, slots, head_dim = keys.shape
-        capacity = max(capacity, 2 * slots, 64)
+        capacity = self.room(slots, capacity)
         self.key_buffer = keys.new_empty(rows, heads, capacity, head_dim)
         self.value_buffer = values.new_empty(rows, heads, capacity, head_dim)
         self.key_buffer[:, :, :slots] = keys
         self.value_buffer[:, :, :slots] = values
         self.keys = self.key_buffer[:, :, :slots]
         self.values = self.value_buffer[:, :, :slots]
+
+    @staticmethod
+    def room(slots: int, capacity: int = 0) -> int:
+        """The slots of a new buffer that is to hold `slots`: `capacity`, and at least twice
+        `slots` and 64 (so appends rarely copy)."""
+        return max(capacity, 2 * slots, 64)
 
     def pack(self, rows: torch.Tensor, columns: torch.Tensor) -> None:
         """Keep rows `rows` of the cache, renumbered, row i holding its slots columns[i] in its
@@ -858,7 +864,7 @@ class KVBuffer(DynamicLayer):
         ).flatten()
 
         def packed(buffer: torch.Tensor) -> torch.Tensor:
-            out = buffer.new_empty(n, heads, max(2 * slots, 64), head_dim)
+            out = buffer.new_empty(n, heads, self.room(slots), head_dim)
             out[:, :, :slots] = buffer.view(-1, head_dim)[cells].view(n, heads, slots, head_dim)
             return out
 
