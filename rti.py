@@ -923,17 +923,17 @@ class DecodeSession:
         if not rows_chunks:
             return
         device = self.mask.device
-        width = max(len(c) for _, c in rows_chunks)
         start = self.mask.shape[1]
-        ids = torch.full((self.n, width), self.pad_id, dtype=torch.long, device=device)
-        new_mask = torch.zeros(self.n, width, dtype=torch.long, device=device)
-        for r, c in rows_chunks:  # left-align each chunk; trailing pads are holes
-            ids[r, : len(c)] = torch.tensor(c, device=device)
-            new_mask[r, : len(c)] = 1
+        chunk_of = [[] for _ in range(self.n)]
+        for r, c in rows_chunks:
+            chunk_of[r] = c
             self.real_slots[r].extend(range(start, start + len(c)))
+        # each chunk left-aligned, trailing pads are holes
+        ids = pad_rows(chunk_of, self.pad_id, torch.long, device)
+        lengths = torch.tensor([len(c) for c in chunk_of], device=device)
+        new_mask = (torch.arange(ids.shape[1], device=device) < lengths[:, None]).long()
         positions = self.length[:, None] + (new_mask.cumsum(-1) - 1).clamp(min=0)
         self.mask = torch.cat([self.mask, new_mask], 1)
-        lengths = new_mask.sum(-1)
         fed = lengths > 0
         last = lengths[fed] - 1
         # only the columns whose logits are used: all of them is GBs at a 150k vocabulary
@@ -968,9 +968,9 @@ class DecodeSession:
             tokens, logps = sample_token(
                 self.last_logits[live_rows], temperature, top_p, [self.gens[r] for r in live_rows]
             )
-            for j, i in enumerate(live):
-                ids_out[i].append(int(tokens[j]))
-                logp_out[i].append(float(logps[j]))
+            for i, token, logp in zip(live, tokens.tolist(), logps.tolist()):
+                ids_out[i].append(token)
+                logp_out[i].append(logp)
             going = [i for i in live if ids_out[i][-1] != eos_id and len(ids_out[i]) < max_new]
             for i in set(live) - set(going):
                 self.pending[rows[i]] = [ids_out[i][-1]]
@@ -1026,10 +1026,9 @@ class DecodeSession:
 
 def pad_rows(rows: list[list], fill, dtype, device) -> torch.Tensor:
     """[N, T] tensor of right-padded rows, T = the longest row."""
-    out = torch.full((len(rows), max(map(len, rows), default=0)), fill, dtype=dtype, device=device)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=dtype, device=device)
-    return out
+    width = max(map(len, rows), default=0)
+    padded = [list(r) + [fill] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=dtype, device=device).reshape(len(rows), width)
 
 
 # logits per chunk of token_logprobs (positions x vocabulary): 32 MB in fp32, 55 positions of
