@@ -115,6 +115,9 @@ RATES = {
     "kept_leaked_rate": ("kept_leaked_turns", "kept_corrected_turns"),
     "ppl_kept_leaky_mean": ("ppl_kept_leaky_sum", "gate_kept_leaky"),
     "ppl_dropped_leaky_mean": ("ppl_dropped_leaky_sum", "gate_dropped_leaky"),
+    "intervened_token_share": ("intervened_tokens", "trained_tokens"),
+    "intervened_weight_mean": ("intervened_weight_sum", "intervened_tokens"),
+    "intervened_clip_rate": ("intervened_clipped", "intervened_ratio_tokens"),
 }
 
 
@@ -141,7 +144,8 @@ def run_totals(steps: list[dict]) -> dict:
 
 
 def intervention_report(s: dict) -> str:
-    """The run's statistics in the rows of the paper's Table 6, then the gate's."""
+    """The run's statistics in the rows of the paper's Table 6, then the gate's, the rewrites'
+    kinds and the reweighting's."""
     return "\n".join(
         [
             f"rollout groups with intervention triggered: {_count(s, 'groups_triggered')} / "
@@ -174,6 +178,11 @@ def intervention_report(s: dict) -> str:
             f"(mean PPL {_number(s, 'ppl_dropped_leaky_mean')}); leaked steps in the kept ones: "
             f"{_count(s, 'kept_leaked_turns')} / {_count(s, 'kept_corrected_turns')} corrected "
             f"steps ({_percent(s, 'kept_leaked_rate')})",
+            "trained intervened tokens (the reweighting's): "
+            f"{_count(s, 'intervened_tokens')} / {_count(s, 'trained_tokens')} "
+            f"({_percent(s, 'intervened_token_share')}); calibrated weight mean "
+            f"{_number(s, 'intervened_weight_mean')}; ratio clip active on "
+            f"{_percent(s, 'intervened_clip_rate')}",
         ]
     )
 

@@ -415,6 +415,8 @@ def loss_metrics(
       intervened_frac  share of the trained tokens that are INTERVENED
       policy/..., intervened/...  ratio_mean/min/max (1.0 if none) and clip_frac over the tokens
                        of that source with a clipped surrogate
+      tokens/...       how many tokens each of the figures above is over (ints), so that
+                       combine_metrics can join micro-batches into the batch's figures
     """
     luffy = inter & (config.is_mode == "luffy")
     ratio_tok = trained & ~luffy  # tokens with a clipped surrogate
@@ -442,7 +444,67 @@ def loss_metrics(
         metrics[f"{name}/ratio_min"] = _min_over(rho, sel, 1.0)
         metrics[f"{name}/ratio_max"] = _max_over(rho, sel, 1.0)
         metrics[f"{name}/clip_frac"] = _share(clipped & sel, sel)
+        metrics[f"tokens/{name}_ratio"] = int(sel.sum())
+    metrics["tokens/trained"] = int(trained.sum())
+    metrics["tokens/ratio"] = int(ratio_tok.sum())
+    metrics["tokens/intervened"] = int(inter.sum())
     return metrics
+
+
+# the tokens each figure of loss_metrics is taken over: "mean" figures are means (and shares) over
+# them, "min" and "max" extremes, and the "tokens/..." counts add up
+COMBINED_OVER = {
+    "mean": {
+        "clip_frac": "tokens/trained",
+        "approx_kl": "tokens/trained",
+        "ref_kl": "tokens/trained",
+        "intervened_frac": "tokens/trained",
+        "ratio_mean": "tokens/ratio",
+        "naive_ratio_out_of_clip": "tokens/intervened",
+        "weight_mean": "tokens/intervened",
+        "policy/ratio_mean": "tokens/policy_ratio",
+        "policy/clip_frac": "tokens/policy_ratio",
+        "intervened/ratio_mean": "tokens/intervened_ratio",
+        "intervened/clip_frac": "tokens/intervened_ratio",
+    },
+    "min": {
+        "ratio_min": "tokens/ratio",
+        "policy/ratio_min": "tokens/policy_ratio",
+        "intervened/ratio_min": "tokens/intervened_ratio",
+    },
+    "max": {
+        "ratio_max": "tokens/ratio",
+        "weight_max": "tokens/intervened",
+        "policy/ratio_max": "tokens/policy_ratio",
+        "intervened/ratio_max": "tokens/intervened_ratio",
+    },
+}
+
+
+def combine_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The metrics of loss_metrics over several micro-batches as those of one batch: a mean
+    weighted by the tokens it is over, an extreme over the parts that have such tokens (a part
+    without any holds only its empty default), counts summed; any other figure (a loss) is the
+    plain mean of the parts. A figure over tokens no part has keeps its empty default."""
+    out = {}
+    for key in dict.fromkeys(k for part in parts for k in part):
+        have = [part for part in parts if key in part]
+        values = [part[key] for part in have]
+        kind = next((kind for kind, over in COMBINED_OVER.items() if key in over), None)
+        if key.startswith("tokens/"):
+            out[key] = sum(values)
+        elif kind is None:
+            out[key] = sum(values) / len(values)
+        else:
+            counts = [part[COMBINED_OVER[kind][key]] for part in have]
+            counted = [(v, n) for v, n in zip(values, counts) if n > 0]
+            if not counted:
+                out[key] = values[0]
+            elif kind == "mean":
+                out[key] = sum(v * n for v, n in counted) / sum(n for _, n in counted)
+            else:
+                out[key] = (min if kind == "min" else max)(v for v, _ in counted)
+    return out
 
 
 def _mean_over(x: Tensor, sel: Tensor, empty: float) -> float:

@@ -57,7 +57,14 @@ import envs
 import evaluate
 import intervene
 from intervene import RTIConfig
-from loss import POLICY, LossConfig, advantages_by_group, group_rows, policy_loss
+from loss import (
+    POLICY,
+    LossConfig,
+    advantages_by_group,
+    combine_metrics,
+    group_rows,
+    policy_loss,
+)
 
 WARMSTART_DIR = "checkpoints/warmstart"
 METHODS = ("grpo", "rti")
@@ -338,6 +345,15 @@ def train_step(
         )
     metrics["time/update"] = time.time() - sampled
     metrics["trained_rows"] = len(trained)
+    if cfg.method == "rti" and "tokens/trained" in metrics:
+        # the reweighting's figures, summed over the run like the intervention's counts
+        metrics["rti/trained_tokens"] = metrics["tokens/trained"]
+        metrics["rti/intervened_tokens"] = metrics["tokens/intervened"]
+        metrics["rti/intervened_weight_sum"] = metrics["weight_mean"] * metrics["tokens/intervened"]
+        metrics["rti/intervened_ratio_tokens"] = metrics["tokens/intervened_ratio"]
+        metrics["rti/intervened_clipped"] = round(
+            metrics["intervened/clip_frac"] * metrics["tokens/intervened_ratio"]
+        )
     return backend.reduce_metrics(metrics)
 
 
@@ -443,7 +459,7 @@ def update(
     log-probs are that step's own forward pass (detached), and every ratio is 1.
 
     Metric `loss` is the mean of the steps' losses, `grad_norm` the last step's; the others are
-    means over micro-batches. Rows whose advantage is 0 are never run (their loss is 0), but they
+    the micro-batches' figures joined (loss.combine_metrics). Rows whose advantage is 0 are never run (their loss is 0), but they
     count in the mini-batch's token or row total (--loss-denominator batch passes them in)."""
     backend = backend or Backend(cfg)
     model = sampler.model
@@ -473,7 +489,7 @@ def update(
             metrics += part_metrics
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
-    out = {k: float(np.mean([m[k] for m in metrics])) for k in (metrics[0] if metrics else ())}
+    out = combine_metrics(metrics)
     out["loss"] = backend.all_reduce(mean_loss)
     if hasattr(grad_norm, "full_tensor"):  # a sharded (FSDP) norm
         grad_norm = grad_norm.full_tensor()

@@ -1191,6 +1191,26 @@ def test_run_totals_add_counts_and_take_means_over_the_run():
     assert "triggered: 3 / 12 (25.0%)" in text and "kept 3 (mean PPL 4.00)" in text
 
 
+def test_the_report_gives_the_reweightings_figures_over_the_run():
+    """Trained intervened tokens, their calibrated weights and the ratio clip, summed over steps
+    (a step without intervened tokens adds its trained tokens only)."""
+    steps = [
+        dict(trained_tokens=100, intervened_tokens=10, intervened_weight_sum=11.0),
+        dict(trained_tokens=300, intervened_tokens=0, intervened_weight_sum=0.0),
+        dict(trained_tokens=100, intervened_tokens=30, intervened_weight_sum=27.0),
+    ]
+    for st, clipped in zip(steps, (1, 0, 3)):
+        st.update(intervened_ratio_tokens=st["intervened_tokens"], intervened_clipped=clipped)
+    s = evaluate.run_totals([evaluate.intervention_rates(st) for st in steps])
+    assert s["intervened_token_share"] == pytest.approx(40 / 500)
+    assert s["intervened_weight_mean"] == pytest.approx(38 / 40)
+    assert s["intervened_clip_rate"] == pytest.approx(4 / 40)
+    assert (
+        "trained intervened tokens (the reweighting's): 40 / 500 (8.0%); calibrated weight mean "
+        "0.95; ratio clip active on 10.0%" in evaluate.intervention_report(s)
+    )
+
+
 # ----------------------------------------------------------------------------- 9. paired groups (--group-mode paired)
 
 

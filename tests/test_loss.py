@@ -19,6 +19,7 @@ from loss import (
     LossConfig,
     advantages_by_group,
     aggregate,
+    combine_metrics,
     group_advantages,
     group_rows,
     importance_ratios,
@@ -565,3 +566,29 @@ def test_aggregate_unknown_mode_lists_choices():
         ValueError, match=r"unknown aggregation mode 'sum'; valid choices: \('token-mean'"
     ):
         aggregate(torch.zeros(1, 2), torch.ones(1, 2), "sum")
+
+
+def test_combined_micro_batch_metrics_are_the_whole_batchs():
+    """Micro-batches' metrics joined by combine_metrics equal the metrics of the batch they
+    split: means weighted by the tokens they are over, so a part without intervened tokens (whose
+    weight_mean is the empty default 1.0) does not dilute the intervened tokens' figures, extremes
+    over the parts that have such tokens, counts summed. Token weights off: with them on, the
+    calibrated weights are normalised over the batch (`token_weights`), so they differ by part."""
+    logp, old, adv, mask, src, beh, ref = _random_batch(3, B=6, T=7)
+    src[3:] = POLICY  # rows 3-5: policy tokens only
+    mask[5] = 0.0  # and an empty row
+    cfg = LossConfig(reweight=False)
+    parts = [slice(0, 3), slice(3, 5), slice(5, 6)]
+    whole = policy_loss(logp, old, adv, mask, src, beh, ref, cfg)[1]
+    split = [
+        policy_loss(*(x[p] for x in (logp, old, adv, mask, src, beh, ref)), cfg)[1] for p in parts
+    ]
+    assert split[1]["tokens/intervened"] == 0 and split[1]["weight_mean"] == 1.0
+    assert split[1]["naive_ratio_out_of_clip"] == 0.0 < split[0]["naive_ratio_out_of_clip"]
+    combined = combine_metrics(split)
+    assert combined.keys() == whole.keys()
+    for key, value in whole.items():
+        assert combined[key] == pytest.approx(value, rel=1e-12), key
+    assert combined["tokens/trained"] == int(mask.sum())
+    # a figure that is not over tokens (the trainer's per-part loss) is a plain mean
+    assert combine_metrics([{"loss": 1.0}, {"loss": 3.0}]) == {"loss": 2.0}

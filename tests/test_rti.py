@@ -417,6 +417,11 @@ def test_one_training_step_changes_the_parameters(tmp_path):
     assert m["rti/intervened"] == 4 and m["train_success_after_rti"] == 0.5
     assert m["trained_rows"] == 8
     assert not torch.equal(before, params(policy.model))
+    # the reweighting's figures for the run's report: the update's counts over its micro-batches
+    assert 0 < m["rti/intervened_tokens"] == m["tokens/intervened"] < m["rti/trained_tokens"]
+    assert m["rti/intervened_weight_sum"] == pytest.approx(
+        m["weight_mean"] * m["rti/intervened_tokens"]
+    )
 
 
 def read_metrics(path):
