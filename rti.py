@@ -459,8 +459,9 @@ def update(
     log-probs are that step's own forward pass (detached), and every ratio is 1.
 
     Metric `loss` is the mean of the steps' losses, `grad_norm` the last step's; the others are
-    the micro-batches' figures joined (loss.combine_metrics). Rows whose advantage is 0 are never run (their loss is 0), but they
-    count in the mini-batch's token or row total (--loss-denominator batch passes them in)."""
+    the micro-batches' figures joined (loss.combine_metrics). Rows whose advantage is 0 are never
+    run (their loss is 0), but they count in the mini-batch's token or row total
+    (--loss-denominator batch passes them in)."""
     backend = backend or Backend(cfg)
     model = sampler.model
     n_steps = cfg.updates_per_batch * cfg.mini_batches
