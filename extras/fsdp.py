@@ -39,6 +39,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+import loss
+
 # ----------------------------------------------------------------------------- processes
 
 
@@ -75,18 +77,26 @@ def all_gather(obj) -> list:
 
 
 def combine_metrics(parts: list[dict]) -> dict:
-    """The processes' metrics of a step as one dict: integer counts summed, other numbers averaged
-    (NaN ones skipped). Every process holds the same number of whole groups, so means of
-    per-process means are global means; ratios of counts (flag rate, accept rate) are averaged,
-    an approximation the counts themselves let one redo."""
-    out = {}
+    """The processes' metrics of a step as one dict: the loss's figures joined by the tokens each
+    is over (loss.combine_metrics), integer counts and sums (names ending in _sum, as the gate's
+    PPL sums) added up, other numbers averaged (NaN ones skipped). Every process holds the same
+    number of whole groups, so means of per-process means are global means; ratios of counts
+    (flag rate, accept rate) are averaged, an approximation the counts themselves let one redo."""
+    over_tokens = {k for figures in loss.COMBINED_OVER.values() for k in figures}
+    out = loss.combine_metrics(
+        [{k: v for k, v in p.items() if k in over_tokens or k.startswith("tokens/")} for p in parts]
+    )
     for k in dict.fromkeys(k for p in parts for k in p):
+        if k in out:
+            continue
         vals = [p[k] for p in parts if k in p]
+        finite = [v for v in vals if not math.isnan(float(v))]
         if all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
             out[k] = sum(vals)
+        elif k.endswith("_sum"):
+            out[k] = float(sum(finite))
         else:
-            finite = [float(v) for v in vals if not math.isnan(float(v))]
-            out[k] = sum(finite) / len(finite) if finite else float("nan")
+            out[k] = sum(map(float, finite)) / len(finite) if finite else float("nan")
     return out
 
 

@@ -802,3 +802,18 @@ def test_fsdp_two_processes_match_one_process(tmp_path):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     fsdp_worker(sys.argv[1])
+
+
+def test_the_processes_metrics_add_counts_and_sums_and_join_the_loss_figures_by_tokens():
+    """A step's metrics of two processes: integer counts and sums (the gate's PPL sums) add up,
+    the loss's figures are joined by the tokens each is over (a process without intervened tokens
+    does not pull weight_mean to its empty default 1.0), other numbers are averaged."""
+    a = {"sampled_episodes": 32, "rti/ppl_kept_sum": 2.5, "train_success": 0.5, "weight_mean": 1.5}
+    b = {"sampled_episodes": 32, "rti/ppl_kept_sum": 1.5, "train_success": 0.25, "weight_mean": 1.0}
+    a.update({"tokens/intervened": 10, "tokens/trained": 100, "clip_frac": 0.1})
+    b.update({"tokens/intervened": 0, "tokens/trained": 300, "clip_frac": 0.2})
+    out = fsdp.combine_metrics([a, b])
+    assert out["sampled_episodes"] == 64 and out["rti/ppl_kept_sum"] == pytest.approx(4.0)
+    assert out["train_success"] == pytest.approx(0.375)
+    assert out["weight_mean"] == 1.5 and out["tokens/intervened"] == 10
+    assert out["clip_frac"] == pytest.approx((0.1 * 100 + 0.2 * 300) / 400)
