@@ -931,20 +931,15 @@ class DecodeSession:
     def feed(self, rows: list[int], chunks: list[list[int]]) -> None:
         """Append chunks[i] (after the row's pending token, if any) to row rows[i] in one forward
         pass; those rows' next-token logits are updated."""
-        rows_chunks = []
-        for r, chunk in zip(rows, chunks):
-            tokens = self.pending[r] + list(chunk)
-            self.pending[r] = []
-            if tokens:
-                rows_chunks.append((r, tokens))
-        if not rows_chunks:
-            return
         device = self.mask.device
         start = self.mask.shape[1]
-        chunk_of = [[] for _ in range(self.n)]
-        for r, c in rows_chunks:
-            chunk_of[r] = c
-            self.real_slots[r].extend(range(start, start + len(c)))
+        chunk_of = [[] for _ in range(self.n)]  # what each row is fed
+        for r, chunk in zip(rows, chunks):
+            chunk_of[r] = self.pending[r] + list(chunk)
+            self.pending[r] = []
+            self.real_slots[r].extend(range(start, start + len(chunk_of[r])))
+        if not any(chunk_of):
+            return
         # each chunk left-aligned, trailing pads are holes
         ids = pad_rows(chunk_of, self.pad_id, torch.long, device)
         lengths = torch.tensor([len(c) for c in chunk_of], device=device)

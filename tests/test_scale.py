@@ -799,11 +799,6 @@ def test_fsdp_two_processes_match_one_process(tmp_path):
             assert same_place, k  # ... to the same place
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    fsdp_worker(sys.argv[1])
-
-
 def test_the_processes_metrics_add_counts_and_sums_and_join_the_loss_figures_by_tokens():
     """A step's metrics of two processes: integer counts and sums (the gate's PPL sums) add up,
     the loss's figures are joined by the tokens each is over (a process without intervened tokens
@@ -817,3 +812,8 @@ def test_the_processes_metrics_add_counts_and_sums_and_join_the_loss_figures_by_
     assert out["train_success"] == pytest.approx(0.375)
     assert out["weight_mean"] == 1.5 and out["tokens/intervened"] == 10
     assert out["clip_frac"] == pytest.approx((0.1 * 100 + 0.2 * 300) / 400)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    fsdp_worker(sys.argv[1])
