@@ -104,6 +104,7 @@ RATES = {
     "flag_rate": ("steps_flagged", "steps_checked"),
     "accept_rate": ("corrections_accepted", "steps_flagged"),
     "reject_rate": ("corrections_rejected", "steps_flagged"),
+    "attempt_reject_rate": ("attempts_rejected", "correction_attempts"),
     "with_accepted_rate": ("with_accepted", "intervened"),
     "corrected_success_rate": ("corrected_successes", "with_accepted"),
     "ppl_kept_mean": ("ppl_kept_sum", "gate_kept"),
@@ -155,8 +156,9 @@ def intervention_report(s: dict) -> str:
             f"corrections accepted by the verifier: {_count(s, 'corrections_accepted')} / "
             f"{_count(s, 'steps_flagged')} ({_percent(s, 'accept_rate')})",
             f"corrections rejected by the verifier: {_count(s, 'corrections_rejected')} / "
-            f"{_count(s, 'steps_flagged')} ({_percent(s, 'reject_rate')}; "
-            f"{_count(s, 'correction_attempts')} attempts)",
+            f"{_count(s, 'steps_flagged')} ({_percent(s, 'reject_rate')}); of every attempt: "
+            f"{_count(s, 'attempts_rejected')} / {_count(s, 'correction_attempts')} "
+            f"({_percent(s, 'attempt_reject_rate')})",
             "intervened trajectories with >= 1 accepted correction: "
             f"{_count(s, 'with_accepted')} / {_count(s, 'intervened')} "
             f"({_percent(s, 'with_accepted_rate')}); "

@@ -7,14 +7,14 @@ one `Intervention`: the roles an RTIConfig names, and the counts they add up.
 
   1. replay    each selected failed trajectory; the validator checks every step against the
                rubric, up to the first invalid one (`Intervention.first_corrections`);
-  2. correct   the corrector (by default the policy itself, shown the hint and the validator's
-               reason) rewrites it, up to `correction_tries` times; the verifier accepts or
-               rejects each rewrite (`Intervention.correct`);
+  2. correct   the corrector (by default the policy itself, shown the validator's reason and the
+               grader's evidence, or a hint) rewrites it, up to `correction_tries` times; the
+               verifier accepts or rejects each rewrite (`Intervention.correct`);
   3. continue  the policy samples the rest of the episode from the corrected state; new steps
                are validated and corrected the same way, up to `max_corrections` per trajectory
                (`Intervention.continue_episodes`);
   4. gate      a corrected success is kept iff the perplexity of what the agent wrote
-               (`gate_scope`) under the policy WITHOUT the hint is at most `ppl_max`; kept ones
+               (`gate_scope`) under the policy WITHOUT the note is at most `ppl_max`; kept ones
                join or replace their group (`group_mode`; `Intervention.gate`).
 
 This file never imports the trainer: it needs only what the `Policy` and `Episode` protocols
@@ -312,18 +312,19 @@ class RTIConfig:
     corrector: str = field(
         default="self",
         metadata={
-            "help": "who rewrites a flagged step: self = the policy, shown the hint and the"
-            " validator's reason; rule = the environment's optimal action",
+            "help": "who rewrites a flagged step: self = the policy, shown the validator's reason"
+            " and what --corrector-sees names; rule = the environment's optimal action",
             "choices": tuple(CORRECTORS),
         },
     )
     corrector_sees: str = field(
-        default="hint",
+        default="evidence",
         metadata={
-            "help": "what the self-corrector is shown beside the validator's reason: hint = the"
-            " action the agent's context determines (Navigation: 'do route'); evidence = what the"
-            " grader knows (Navigation: the rest of a shortest path), which a corrector can copy"
-            " into a step the agent could not have justified",
+            "help": "what the self-corrector is shown beside the validator's reason: evidence = what"
+            " the grader knows (Navigation: the rest of a shortest path), as the paper's corrector"
+            " is shown the rubric; a corrector can copy it into a step the agent could not have"
+            " justified, which the rubric verifier rejects; hint = the action the agent's context"
+            " determines (Navigation: 'do route'), which leaves the verifier nothing to catch",
             "choices": CORRECTOR_SEES,
         },
     )
@@ -523,6 +524,7 @@ class Intervention:
             for (i, r), ok in zip(asked, verdicts):
                 result[i] = r if ok else None
                 self.stats[f"accepted_{r.kind}"] += ok
+                self.stats["attempts_rejected"] += not ok
             self.stats["correction_attempts"] += len(todo)
             todo = [i for i in todo if result[i] is None]
         self.stats["corrections_accepted"] += len(cases) - result.count(None)

@@ -66,7 +66,9 @@ from loss import (
     policy_loss,
 )
 
-WARMSTART_DIR = "checkpoints/warmstart"
+# the demo's warm start: its corrector, shown the grader's evidence, copies the path in part of
+# its rewrites (python -m extras.warmstart rebuilds it)
+WARMSTART_DIR = "checkpoints/warmstart-evidence"
 METHODS = ("grpo", "rti")
 LOSS_DENOMINATORS = ("batch", "trained")
 EVAL_SEED_OFFSET = 10_000  # evaluations sample on streams of their own, apart from training's

@@ -1,7 +1,8 @@
 """The supervised warm start of the tiny Navigation policy; optional (extras/): its result is
 committed.
 
-    python -m extras.warmstart    # rebuild checkpoints/warmstart (the demo's starting point)
+    python -m extras.warmstart    # rebuild checkpoints/warmstart-evidence (the demo's start)
+    python -m extras.warmstart --ws-evidence-frac 0 --ws-out checkpoints/warmstart   # hint only
     python -m extras.warmstart report --train-split fit --test-split val   # p@1, all-fail groups
 
 The tiny model learns from a teacher's successful episodes on the `easy` split: next-token loss on
@@ -11,6 +12,10 @@ from-scratch model stalls). The teacher sees the map and walks shortest paths; i
 the tool by itself: that is the capability boundary RL has to cross. In `ws_hint_frac` of turns
 the teacher is shown the `<hint> ... </hint>` block a self-corrector sees and does what it says
 (`route` when it holds none), so the policy learns from the start to follow a hint and a route.
+In `ws_evidence_frac` of those blocks it is shown the grader's evidence instead (the rest of a
+shortest path) and, holding no route, copies the path's first move in `ws_copy_frac` of them: the
+policy, as a corrector shown the evidence, then writes rewrites the agent's context justifies and
+rewrites it cannot (leaked), and the post-check has something to catch.
 RL itself (rti.py) trains agent tokens only.
 """
 
@@ -69,7 +74,7 @@ class WarmStartConfig(rti.Config):
         },
     )
     ws_evidence_frac: float = field(
-        default=0.0,
+        default=0.5,
         metadata={
             "help": "share of hint blocks that show the grader's evidence (the rest of a shortest"
             " path) instead of the hint, as --corrector-sees evidence does"

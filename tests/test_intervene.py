@@ -390,7 +390,7 @@ def test_validator_flags_exactly_the_first_wrong_step(tiny, k1, k2):
     )  # every rewrite is rejected
     trajs = sample(policy, [T_MID], 2, [{k1: "wall", k2: "wall"}, {0: "finish"}])
     orig = trajs[0]
-    out, stats = run(policy, trajs, cfg(intervene_per_group=1))
+    out, stats = run(policy, trajs, cfg(intervene_per_group=1, corrector_sees="hint"))
     assert stats["steps_checked"] == k1 + 1 and stats["steps_flagged"] == 1
     assert (
         stats["corrections_rejected"] == 1 and stats["correction_attempts"] == 3 and out[0] is orig
@@ -513,7 +513,7 @@ def test_rubric_verifier_rejects_a_bad_rewrite(tiny, kind, tries):
     assert out == trajs and out[0] is trajs[0]
     assert (
         stats["corrections_rejected"] == 1
-        and stats["correction_attempts"] == tries
+        and stats["correction_attempts"] == stats["attempts_rejected"] == tries
         and stats.get("corrections_accepted", 0) == 0
     )
     assert len(policy.role_calls["corrector"]) == tries and stats["with_accepted"] == 0
@@ -736,7 +736,9 @@ def test_retracted_turn_leaves_the_cache_consistent(tiny):
 def test_llm_validator_garbage_flags_nothing(tiny, garbage):
     policy = ScriptedPolicy(tiny, validator=lambda q: garbage)
     trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
-    out, stats = run(policy, trajs, cfg(validator="llm", intervene_per_group=1))
+    out, stats = run(
+        policy, trajs, cfg(validator="llm", intervene_per_group=1, corrector_sees="hint")
+    )
     assert out == trajs and out[0] is trajs[0]
     assert stats.get("steps_flagged", 0) == 0 and stats["steps_checked"] == len(trajs[0].actions)
     assert policy.role_calls["corrector"] == [] and stats["with_accepted"] == 0
@@ -763,7 +765,9 @@ def test_llm_validator_invalid_flags_and_its_reason_reaches_the_corrector(tiny, 
     trajs = sample(
         policy, [T_MID], 2, [{1: "wall"}, {0: "finish"}]
     )  # the real mistake is at 1: not flagged
-    out, stats = run(policy, trajs, cfg(validator="llm", intervene_per_group=1))
+    out, stats = run(
+        policy, trajs, cfg(validator="llm", intervene_per_group=1, corrector_sees="hint")
+    )
     assert stats["steps_flagged"] == 1
     q = policy.role_calls["corrector"][0]
     assert q.actions == trajs[0].actions[:k]
@@ -856,6 +860,7 @@ def test_statistics_count_what_happened(tiny):
         "corrections_accepted": 1,
         "corrections_rejected": 1,
         "correction_attempts": 2 + 3,
+        "attempts_rejected": 1 + 3,  # row 2's first try, row 4's three
         "with_accepted": 1,
         "corrected_successes": 1,
         "gate_kept": 1,
@@ -1189,6 +1194,10 @@ def test_run_totals_add_counts_and_take_means_over_the_run():
     )
     text = evaluate.intervention_report(s)
     assert "triggered: 3 / 12 (25.0%)" in text and "kept 3 (mean PPL 4.00)" in text
+    assert "corrections rejected by the verifier: 4 / 8 (50.0%); of every attempt:" in text
+    s.update(attempts_rejected=5, correction_attempts=9)
+    s = evaluate.intervention_rates(s)
+    assert "of every attempt: 5 / 9 (55.6%)" in evaluate.intervention_report(s)
 
 
 def test_the_report_gives_the_reweightings_figures_over_the_run():

@@ -1,13 +1,16 @@
 """rti.py: token bookkeeping, KV-cached batched decoding, warm start, training steps, resume, flags, smoke run."""
 
 import copy
+import dataclasses
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
 import envs
+import intervene
 import rti
 from extras import warmstart
 from loss import POLICY, policy_loss
@@ -301,6 +304,35 @@ def test_teacher_shown_evidence_copies_the_path_or_calls_the_tool(tiny):
 def teacher_actions_of(chat, ids: list[int]) -> list[str]:
     turns = chat.tok.decode(ids).split("<|assistant|>")[1:]
     return [" ".join(turn.split("<|im_end|>")[0].split()) for turn in turns]
+
+
+def test_the_demo_warm_start_is_what_extras_warmstart_builds_by_default():
+    """rti.py's default --init is the committed warm start that `python -m extras.warmstart`
+    rebuilds with its defaults: a default changed without a rebuild fails here."""
+    recorded = json.loads((Path(rti.WARMSTART_DIR) / "warmstart.json").read_text())["config"]
+    defaults = dataclasses.asdict(warmstart.WarmStartConfig())
+    flags = {k: v for k, v in defaults.items() if k.startswith("ws_")}
+    assert {k: recorded[k] for k in flags} == flags
+    assert rti.Config().init == rti.WARMSTART_DIR == flags["ws_out"]
+
+
+def test_in_the_demo_regime_the_corrector_leaks_and_the_post_check_rejects_it():
+    """From the demo's warm start with the default RTIConfig, the corrector is shown the grader's
+    evidence and copies a hidden direction in some rewrites: the rubric verifier accepts none of
+    them (and rejects attempts), while without a post-check (--verifier none) they are accepted."""
+    model, tok = rti.load_model(rti.WARMSTART_DIR)
+    policy = rti.Sampler(model, tok, seed=0)
+    trajs = rti.rollout(policy, envs.make_tasks("train")[:4], 8, seed=0)
+    assert intervene.RTIConfig().corrector_sees == "evidence"
+    stats = {
+        verifier: intervene.intervene_batch(
+            policy, trajs, intervene.RTIConfig(verifier=verifier), policy.make_env
+        )[1]
+        for verifier in ("rubric", "none")
+    }
+    assert stats["rubric"]["rewrites_leaked"] > 0 and stats["rubric"]["attempts_rejected"] > 0
+    assert stats["rubric"].get("accepted_leaked", 0) == 0
+    assert stats["none"]["accepted_leaked"] > 0
 
 
 @pytest.mark.slow
