@@ -164,7 +164,7 @@ class Config:
         default=1e-4,
         metadata={
             "help": "AdamW learning rate (1e-4 chosen for rti on val; GRPO's was chosen apart, per"
-            " warm start: 3e-5 from warmstart-route0, 1e-4 from warmstart)"
+            " warm start: 3e-5 from warmstart-route0, 1e-4 from warmstart and warmstart-evidence)"
         },
     )
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay"})

@@ -45,12 +45,12 @@ from extras.compare_report import (
 
 # the paper's Table 3 rows and the strong baseline practitioners use for sparse rewards (DAPO's
 # dynamic sampling), all from the same warm start, budget and seeds; each method at the learning
-# rate chosen for it on val: RTI rti.py's 1e-4; GRPO 3e-5 from warmstart-route0 (at 1e-4 it
-# collapses there), 1e-4 from warmstart (pass `-- --lr 1e-4`, which leaves RTI's as it is)
-GRPO_LR = "3e-5"
+# rate chosen for it on val: RTI rti.py's 1e-4; GRPO (--grpo-lr) 1e-4 from warmstart-evidence (the
+# default) and warmstart, 3e-5 from warmstart-route0 (at 1e-4 it collapses there)
+GRPO_LR = "1e-4"
 METHODS = {
-    "GRPO": ["--method", "grpo", "--lr", GRPO_LR],
-    "GRPO + dynamic sampling": ["--method", "grpo", "--lr", GRPO_LR, "--dynamic-sampling"],
+    "GRPO": ["--method", "grpo"],
+    "GRPO + dynamic sampling": ["--method", "grpo", "--dynamic-sampling"],
     "RTI": ["--method", "rti"],
     "RTI w/o verifier": ["--method", "rti", "--verifier", "none"],
     "RTI w/o PPL gate": ["--method", "rti", "--no-ppl-gate"],
@@ -62,6 +62,11 @@ QUICK = ["--steps", "4", "--eval-tasks", "30", "--eval-every", "0", "--batch-tas
 # test tasks on which the warm start's boundary is sampled (BOUNDARY_SAMPLES samples each)
 BOUNDARY_TASKS = 150
 BOUNDARY_TASKS_QUICK = 30
+
+
+def grpo_flags(name: str, grpo_lr: str) -> list[str]:
+    """The learning rate of a GRPO method's runs (RTI's is rti.py's own)."""
+    return ["--lr", grpo_lr] if METHODS[name][:2] == ["--method", "grpo"] else []
 
 
 def slug(name: str) -> str:
@@ -92,6 +97,7 @@ def command_line(
     extra: list[str] = (),
     methods=tuple(METHODS),
     equal_episodes: list[str] = (),
+    grpo_lr: str = GRPO_LR,
 ) -> str:
     """The `python -m extras.compare` command that reproduces a comparison (or an
     --equal-episodes table), for its report."""
@@ -106,6 +112,7 @@ def command_line(
         *map(str, seeds),
         *subset,
         *(["--jobs", str(jobs)] if jobs is not None else []),
+        *(["--grpo-lr", grpo_lr] if grpo_lr != GRPO_LR else []),
         "--out",
         out_dir,
         *(["--", *extra] if extra else []),
@@ -120,10 +127,11 @@ def compare(
     jobs: int,
     extra: list[str],
     methods: list[str] = tuple(METHODS),
+    grpo_lr: str = GRPO_LR,
 ) -> dict:
-    """Train each of `methods` (names of METHODS) for every seed from the same warm start, then
-    write the table (markdown and CSV), the beyond-the-boundary counts and the figures under
-    out_dir. Returns the per-run results."""
+    """Train each of `methods` (names of METHODS) for every seed from the same warm start, GRPO's
+    at learning rate `grpo_lr`, then write the table (markdown and CSV), the beyond-the-boundary
+    counts and the figures under out_dir. Returns the per-run results."""
     # the runs' flags, checked (a bad one exits) before any run starts
     _, _, run_cfg = rti.parse_args(extra)
     out = Path(out_dir)
@@ -132,7 +140,8 @@ def compare(
     budget = QUICK if quick else FULL
     work = [
         (
-            [*METHODS[name], "--seed", str(seed), "--no-eval-before", *budget, *extra],
+            [*METHODS[name], *grpo_flags(name, grpo_lr), "--seed", str(seed), "--no-eval-before"]
+            + [*budget, *extra],
             str(out / f"{slug(name)}-s{seed}"),
             str(out / f"{slug(name)}-s{seed}.log"),
         )
@@ -149,7 +158,7 @@ def compare(
         run: json.loads((Path(w[1]) / "results.json").read_text()) for run, w in zip(runs, work)
     }
     logs = read_logs([out], methods, seeds)
-    command = command_line(seeds, out_dir, quick, jobs, extra, methods)
+    command = command_line(seeds, out_dir, quick, jobs, extra, methods, grpo_lr=grpo_lr)
     curves = curve_table(logs, seeds, warm[0]["p@1"], methods)
     minutes = training_minutes(logs, seeds, methods)
     compute = compute_table(logs, seeds, methods)
@@ -272,6 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each")
     p.add_argument(
+        "--grpo-lr",
+        default=GRPO_LR,
+        help="the GRPO methods' learning rate, chosen for them on val per warm start: 1e-4 from "
+        "warmstart-evidence and warmstart, 3e-5 from warmstart-route0 (RTI keeps rti.py's)",
+    )
+    p.add_argument(
         "--out", default="results", help="directory of the runs, the report and the figures"
     )
     p.add_argument(
@@ -298,7 +313,13 @@ def main(argv=None) -> None:
             raise SystemExit("--equal-episodes runs nothing: it takes no flags after --")
         equal_episodes(args.equal_episodes, args.seeds, args.out)
         return
-    compare(args.seeds, args.out, args.quick, args.jobs, extra, args.methods)
+    try:
+        lr_ok = float(args.grpo_lr) > 0
+    except ValueError:
+        lr_ok = False
+    if not lr_ok:
+        raise SystemExit(f"--grpo-lr: must be a number > 0, got {args.grpo_lr!r}")
+    compare(args.seeds, args.out, args.quick, args.jobs, extra, args.methods, args.grpo_lr)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ FREE_FORM = {
         "out": "any directory",
         "extra": "any flags of rti.py",
         "equal_episodes": "--out folders of earlier comparisons",
+        "grpo_lr": "a learning rate, passed on to rti.py's --lr as written",
     },
     "extras.scale": {
         **CONFIG_FREE_FORM,
@@ -309,6 +310,20 @@ def test_a_rerun_comparison_keeps_finished_runs_and_resumes_the_others(tmp_path,
         compare.run_one((["--method", "rti"], str(out), str(tmp_path / f"{out.name}.log")))
     assert len(calls) == 2 and "--resume" in calls[0] and "--resume" not in calls[1]
     assert calls[0][calls[0].index("--out") + 1] == str(half)
+
+
+def test_grpo_methods_run_at_their_own_learning_rate(tmp_path):
+    """--grpo-lr reaches the GRPO methods' runs only (RTI's stays rti.py's), the report's command
+    names it when it is not the default, and a bad value stops before any run."""
+    for name in compare.METHODS:
+        expected = ["--lr", "3e-5"] if name.startswith("GRPO") else []
+        assert compare.grpo_flags(name, "3e-5") == expected
+    assert " --grpo-lr 3e-5 " in compare.command_line([0], "out", grpo_lr="3e-5")
+    assert "--grpo-lr" not in compare.command_line([0], "out", grpo_lr=compare.GRPO_LR)
+    for bad in ("fast", "0"):
+        with pytest.raises(SystemExit, match="--grpo-lr: must be a number > 0"):
+            compare.main(["--grpo-lr", bad, "--out", str(tmp_path / "runs")])
+    assert not (tmp_path / "runs").exists()
 
 
 def test_the_warm_start_boundary_is_sampled_once(tmp_path):
