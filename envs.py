@@ -331,7 +331,7 @@ def make_tasks(split: str, n: int | None = None, seed: int | None = None) -> lis
 # Every text Navigation writes is one of these str.format templates, filled with labels, numbers,
 # move directions and actions. Navigation.vocabulary() gathers its words from them, so a word added
 # to a text is a word of the model. Their order is the order of the tiny model's token ids
-# (rti.load_model numbers the vocabulary in order; the committed checkpoints depend on it): add new
+# (policy.load_model numbers the vocabulary in order; the committed checkpoints depend on it): add new
 # texts at the end.
 
 FIRST_MESSAGE = "visit {plan} then finish . grid {height} {width} . {state}"

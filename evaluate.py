@@ -122,6 +122,21 @@ RATES = {
 }
 
 
+def reweighting_counts(loss_figures: dict) -> dict:
+    """The reweighting's counts of an update (the trained and intervened tokens, the weights' sum,
+    the clipped intervened ratios), from the loss's figures (loss.loss_metrics, or several joined by
+    loss.combine_metrics), so that a run's totals add them up beside the intervention's counts."""
+    intervened = loss_figures["tokens/intervened"]
+    ratio_tokens = loss_figures["tokens/intervened_ratio"]
+    return {
+        "trained_tokens": loss_figures["tokens/trained"],
+        "intervened_tokens": intervened,
+        "intervened_weight_sum": loss_figures["weight_mean"] * intervened,
+        "intervened_ratio_tokens": ratio_tokens,
+        "intervened_clipped": round(loss_figures["intervened/clip_frac"] * ratio_tokens),
+    }
+
+
 def intervention_rates(counts: dict) -> dict:
     """The counts plus the rates and means of RATES, name -> (numerator, denominator): the figures
     of the paper's Table 6 (NaN where the denominator is 0). Counts the step lacks are 0; rates in

@@ -10,17 +10,18 @@ one `Intervention`: the roles an RTIConfig names, and the counts they add up.
   2. correct   the corrector (by default the policy itself, shown the validator's reason and the
                grader's evidence, or a hint) rewrites it, up to `correction_tries` times; the
                verifier accepts or rejects each rewrite (`Intervention.correct`);
-  3. continue  the policy samples the rest of the episode from the corrected state; new steps
-               are validated and corrected the same way, up to `max_corrections` per trajectory
-               (`Intervention.continue_episodes`);
+  3. continue  the policy samples the rest of the episode from the corrected state, through the
+               same lockstep loop as every rollout (`play`); new steps are validated and corrected
+               the same way, up to `max_corrections` per trajectory (`Intervention.continue_episodes`);
   4. gate      a corrected success is kept iff the perplexity of what the agent wrote
                (`gate_scope`) under the policy WITHOUT the note is at most `ppl_max`; kept ones
                join or replace their group (`group_mode`; `Intervention.gate`).
 
 This file never imports the trainer: it needs only what the `Policy` and `Episode` protocols
-below state (rti.py's Sampler and Trajectory are one pair; tests/test_layout.py drives it with a
-pair of its own), so it can be copied into another trainer with envs.py's StepCheck and loss.py's
-token codes.
+below state, a sampler that turns token contexts into turns and scores sequences (policy.Sampler
+and rti.Trajectory are one pair; tests/test_intervene.py drives it with a policy written on plain
+`model.generate`, tests/test_layout.py with a pair of its own), so it can be copied into another
+trainer with envs.py's StepCheck and loss.py's token codes.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from envs import Env, StepCheck
-from loss import INTERVENED, POLICY, group_rows
+from loss import INTERVENED, POLICY, group_rows, require, require_choices
 
 HINT_OPEN = "<hint>"
 HINT_CLOSE = "</hint>"
@@ -66,30 +67,40 @@ def format_hint(reason: str, hint: str) -> str:
 
 
 class Policy(Protocol):
-    """What this file calls on the policy (rti.Sampler is one). `chat` gives the token pieces of
-    its chat: prompt_ids, turn_ids, ids, text, action_text, action_ids, eos_id. A session decodes
-    rows in lockstep and has feed(rows, chunks), keep(rows) and retract(row, n); a turn comes back
-    as (token ids, log-probs at the sampling temperature); score gives log pi(y_t | y_<t) of every
-    token of each sequence."""
+    """What this file calls on the policy: any sampler that continues token sequences and scores
+    them. `chat` gives the token pieces of its chat: prompt_ids, turn_ids, ids, text, action_text,
+    action_ids, eos_id.
+
+    generate(contexts, max_new, streams) samples one agent turn (at most max_new tokens, default
+    max_turn_tokens) after each context: (token ids, log-probs at the sampling temperature).
+    `streams[i]`, when given, is the Stream of the episode that context i belongs to (`play`
+    passes one per episode, the same object every turn): sampling goes on along it, and a
+    sampler may keep state there between turns (policy.Sampler keeps a KV cache). score(seqs)
+    gives log pi(y_t | y_<t) of every token of each sequence (0.0 for the first)."""
 
     chat: Any
     max_turn_tokens: int
 
-    def session(self, prefixes: list[list[int]], seeds: list[int] | None = None) -> Any: ...
-    def sample_turn(
-        self, session: Any, rows: list[int]
-    ) -> tuple[list[list[int]], list[list[float]]]: ...
     def generate(
-        self, contexts: list[list[int]], max_new: int
+        self, contexts: list[list[int]], max_new: int | None = None, streams: list | None = None
     ) -> tuple[list[list[int]], list[list[float]]]: ...
     def score(self, seqs: list[list[int]]) -> list[list[float]]: ...
+
+
+@dataclass(eq=False)
+class Stream:
+    """One episode's sampling stream, from its first turn to its last: `seed` starts it (None: the
+    policy draws one), and `state` is the policy's to keep between turns."""
+
+    seed: int | None = None
+    state: Any = None
 
 
 class Episode(Protocol):
     """A trajectory (rti.Trajectory is one): per-token lists, agent turns as (start, end) in ids,
     the episode's text. truncated(k) copies the episode before turn k; step(...) records an agent
-    turn, executes it in env and returns the tokens to feed next, or None when the episode ended
-    (reward set)."""
+    turn, executes it in env and appends the observation's tokens (reward set when the episode
+    ends)."""
 
     task: Any
     group: int
@@ -106,7 +117,42 @@ class Episode(Protocol):
     def truncated(self, k: int) -> Episode: ...
     def step(
         self, chat: Any, env: Env, agent_ids: list[int], logp: list[float], source: int
-    ) -> list[int] | None: ...
+    ) -> None: ...
+
+
+@dataclass
+class Turn:
+    """An agent turn as it enters an episode: its tokens, their log-probs (log mu for a
+    correction) and who wrote it (POLICY or INTERVENED)."""
+
+    ids: list[int]
+    logp: list[float]
+    source: int = POLICY
+
+
+def play(
+    policy: Policy,
+    episodes: list[Episode],
+    env_list: list[Env],
+    streams: list[Stream],
+    revise: Callable[[list[int], list[Turn]], list[Turn]] | None = None,
+) -> None:
+    """Play episodes to their end in lockstep, in place: each round, one batched policy.generate
+    gives every live episode its next turn (episode i on streams[i]), and each turn is executed in
+    its env (env_list[i]) and recorded (Episode.step). `revise(live, turns)` may replace sampled
+    turns before they are executed (the continuation's validator and corrector). The project's
+    one lockstep loop: rollouts (rti.rollout) and corrected episodes (Intervention) both run it."""
+    live = [i for i, env in enumerate(env_list) if not env.done]
+    while live:
+        ids, logps = policy.generate(
+            [episodes[i].ids for i in live], streams=[streams[i] for i in live]
+        )
+        turns = [Turn(a, lp) for a, lp in zip(ids, logps)]
+        if revise is not None:
+            turns = revise(live, turns)
+        for i, turn in zip(live, turns):
+            episodes[i].step(policy.chat, env_list[i], turn.ids, turn.logp, turn.source)
+        live = [i for i in live if not env_list[i].done]
 
 
 @dataclass
@@ -298,8 +344,7 @@ GATE_SCOPES = ("intervened", "agent", "trajectory")
 
 @dataclass
 class RTIConfig:
-    """Flags of the intervention. __post_init__ raises ValueError("field: why, got X") for a bad
-    value."""
+    """Flags of the intervention, checked when built (validate)."""
 
     validator: str = field(
         default="rubric",
@@ -363,8 +408,8 @@ class RTIConfig:
     ppl_max: float = field(
         default=1.3,
         metadata={
-            "help": "the gate's perplexity bound (the default: the 95th percentile of the warm"
-            " start's own agent PPL, Navigation's fit split)"
+            "help": "the gate's perplexity bound: a corrected success whose perplexity exceeds it"
+            " is dropped"
         },
     )
     gate_scope: str = field(
@@ -385,21 +430,15 @@ class RTIConfig:
     )
 
     def __post_init__(self):
-        checks = []
-        for f in fields(self):
-            choices = f.metadata.get("choices")
-            if choices is not None:
-                value = getattr(self, f.name)
-                checks.append((f.name, value in choices, f"must be one of {sorted(choices)}"))
-        checks += [
-            ("ppl_max", self.ppl_max > 1, "must be > 1 (a perplexity)"),
-            ("correction_tries", self.correction_tries >= 1, "must be >= 1"),
-            ("max_corrections", self.max_corrections >= 0, "must be >= 0"),
-            ("intervene_per_group", self.intervene_per_group >= 0, "must be >= 0"),
-        ]
-        for name, ok, why in checks:
-            if not ok:
-                raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        """require() every field (loss.require: the message names the flag)."""
+        require_choices(self)
+        require(self, "ppl_max", self.ppl_max > 1, "must be > 1 (a perplexity)")
+        require(self, "correction_tries", self.correction_tries >= 1, "must be >= 1")
+        require(self, "max_corrections", self.max_corrections >= 0, "must be >= 0")
+        require(self, "intervene_per_group", self.intervene_per_group >= 0, "must be >= 0")
 
 
 # ----------------------------------------------------------------------------- the pipeline
@@ -480,16 +519,14 @@ class Intervention:
         return chosen
 
     def call_role(self, fn, cases, *args, default):
-        """Call a role; if it raises or returns the wrong number of answers, every case gets
-        `default`."""
-        try:
-            out = fn(cases, *args) if cases else []
-            if len(out) != len(cases):
-                raise ValueError(f"role returned {len(out)} answers for {len(cases)} cases")
-            return out
-        except Exception:  # a broken role rejects; the run goes on
+        """Call a role on `cases`. A role that answers a different number of cases than it was
+        asked gets `default` for every case (a rejection; counted in role_errors); a role that
+        raises stops the run: a bug is not a rejection."""
+        out = fn(cases, *args) if cases else []
+        if len(out) != len(cases):
             self.stats["role_errors"] += 1
             return [default] * len(cases)
+        return out
 
     def review(self, cases: list[StepUnderReview]) -> list[bool]:
         """Validate the steps: True where flagged, with the validator's reason in the case (a broken
@@ -573,62 +610,51 @@ class Intervention:
         return fixes
 
     def continue_episodes(self, fixes: list[Fix]) -> None:
-        """3. continue: execute each accepted rewrite, then let the policy sample the rest of the
-        episodes (fix.case.traj, in place) in lockstep through one KV cache, validating each new
-        step and correcting it (up to cfg.max_corrections per trajectory)."""
-        chat = self.policy.chat
+        """3. continue: execute each accepted rewrite, then let the policy play the rest of the
+        episodes (fix.case.traj, in place) through `play`, each on a stream of its own, validating
+        each new step and correcting it (up to cfg.max_corrections per trajectory)."""
         trajs = [f.case.traj for f in fixes]
-        env_of = [f.case.env for f in fixes]
-        for t in trajs:
-            t.intervention = {"corrections": 0, "leaked": 0}
+        env_list = [f.case.env for f in fixes]
+        for f in fixes:
+            f.case.traj.intervention = {"corrections": 0, "leaked": 0}
+            self.record(f.case, f.rewrite)
+            f.case.traj.step(
+                self.policy.chat, f.case.env, f.rewrite.agent_ids, f.rewrite.logp, INTERVENED
+            )
 
-        def step(r, agent_ids, logp, source, kind="") -> list[int]:  # the tokens to feed row r next
-            trajs[r].intervention["corrections"] += source == INTERVENED
-            trajs[r].intervention["leaked"] += kind == "leaked"
-            return trajs[r].step(chat, env_of[r], agent_ids, logp, source) or []
-
-        seeds = [t.seed for t in trajs]  # each episode goes on on a stream of its own
-        session = self.policy.session(
-            [t.ids for t in trajs], None if None in seeds else [s + 1 for s in seeds]
-        )
-        live = list(range(len(trajs)))  # live[i]: the episode in session row i
-        feed = [
-            f.rewrite.agent_ids
-            + step(r, f.rewrite.agent_ids, f.rewrite.logp, INTERVENED, f.rewrite.kind)
-            for r, f in enumerate(fixes)
-        ]
-        while True:
-            going = [i for i, r in enumerate(live) if not env_of[r].done]
-            if len(going) < len(live):
-                session.keep(going)  # finished episodes leave the batch
-            live = [live[i] for i in going]
-            feed = [feed[i] for i in going]
-            if not live:
-                return
-            rows = list(range(len(live)))
-            session.feed(rows, feed)
-            ids, logps = self.policy.sample_turn(session, rows)
+        def revise(live: list[int], turns: list[Turn]) -> list[Turn]:
+            """The sampled turns, with the flagged ones of trajectories that have corrections left
+            replaced by their accepted rewrite."""
             todo = [
                 j
-                for j, r in enumerate(live)
-                if trajs[r].intervention["corrections"] < self.cfg.max_corrections
+                for j, i in enumerate(live)
+                if trajs[i].intervention["corrections"] < self.cfg.max_corrections
             ]
             cases = [
-                StepUnderReview(trajs[live[j]], env_of[live[j]], chat.action_text(ids[j]))
+                StepUnderReview(
+                    trajs[live[j]], env_list[live[j]], self.policy.chat.action_text(turns[j].ids)
+                )
                 for j in todo
             ]
             flagged = [(j, case) for j, case, bad in zip(todo, cases, self.review(cases)) if bad]
             rewrites = self.correct([case for _, case in flagged], self.cfg.correction_tries)
-            rewrite_of = {j: rewrite for (j, _), rewrite in zip(flagged, rewrites)}
-            feed = []
-            for j, r in enumerate(live):
-                rewrite = rewrite_of.get(j)
-                if rewrite is None:
-                    feed.append(step(r, ids[j], logps[j], POLICY))
-                else:
-                    session.retract(j, len(ids[j]))
-                    tokens = step(r, rewrite.agent_ids, rewrite.logp, INTERVENED, rewrite.kind)
-                    feed.append(rewrite.agent_ids + tokens)
+            turns = list(turns)
+            for (j, case), rewrite in zip(flagged, rewrites):
+                if rewrite is not None:
+                    self.record(case, rewrite)
+                    turns[j] = Turn(rewrite.agent_ids, rewrite.logp, INTERVENED)
+            return turns
+
+        # each episode goes on on a stream of its own
+        seeds = [t.seed for t in trajs]
+        streams = [Stream(None if None in seeds else s + 1) for s in seeds]
+        play(self.policy, trajs, env_list, streams, revise)
+
+    @staticmethod
+    def record(case: StepUnderReview, rewrite: Rewrite) -> None:
+        """Count an accepted rewrite in its trajectory's intervention record."""
+        case.traj.intervention["corrections"] += 1
+        case.traj.intervention["leaked"] += rewrite.kind == "leaked"
 
     def gate(self, trajs: list[Episode], fixes: list[Fix]) -> list[Episode]:
         """4. gate: the batch with the corrected successes whose perplexity (intervened_ppl over

@@ -9,12 +9,18 @@ source, loss_mask are [B, T]; advantages [B] (one per row) or [B, T].
   behavior_logp  log mu: the corrector's log-prob when it wrote the token (rubric in context).
 Formulas marked "our reading" are not printed in the RTI paper (the README's method table lists
 them).
+
+What an update needs is `policy_loss` (built on `token_losses`); `loss_metrics` and
+`combine_metrics` are bookkeeping a trainer may leave out. Shapes are checked on every call; the
+values (NaN, inf, token codes) only with LossConfig(check_values=True), since each value check is
+a device sync.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -27,10 +33,24 @@ RATIO_LEVELS = ("token", "sequence")
 LOG_RATIO_CLAMP = 20.0  # as verl: |log ratio| <= 20 keeps exp() finite, so backward never sees inf
 
 
+def require(config, name: str, ok: bool, why: str) -> None:
+    """Raise ValueError("--name: why, got VALUE") unless `ok`. How every config of the project
+    checks a field: its message names the flag that sets it (each field is a flag of rti.py)."""
+    if not ok:
+        raise ValueError(f"--{name.replace('_', '-')}: {why}, got {getattr(config, name)!r}")
+
+
+def require_choices(config) -> None:
+    """require() of each field whose metadata names its choices."""
+    for f in fields(config):
+        choices = f.metadata.get("choices")
+        if choices is not None:
+            require(config, f.name, getattr(config, f.name) in choices, f"must be one of {choices}")
+
+
 @dataclass
 class LossConfig:
-    """Flags of this file's functions. __post_init__ raises ValueError("field: why, got X") for a
-    bad value."""
+    """Flags of this file's functions, checked when built (validate)."""
 
     clip_low: float = field(
         default=0.2,
@@ -100,27 +120,29 @@ class LossConfig:
         default=True,
         metadata={"help": "divide advantages by the group's std (GRPO); off = Dr. GRPO"},
     )
+    check_values: bool = field(
+        default=False,
+        metadata={
+            "help": "debugging: policy_loss raises on NaN or inf inputs and on bad mask or source "
+            "codes (a device sync per call)"
+        },
+    )
 
     def __post_init__(self):
-        for f in fields(self):
-            choices = f.metadata.get("choices")
-            value = getattr(self, f.name)
-            if choices is not None and value not in choices:
-                raise ValueError(f"{f.name}: must be one of {choices}, got {value!r}")
-        checks = (
-            ("clip_low", 0 <= self.clip_low <= 1, "must be in [0, 1]"),
-            ("clip_high", 0 <= self.clip_high < math.inf, "must be finite and >= 0"),
-            ("reweight", isinstance(self.reweight, bool), "must be a bool"),
-            ("scale_advantages", isinstance(self.scale_advantages, bool), "must be a bool"),
-            ("w_min", 0 <= self.w_min < math.inf, "must be finite and >= 0"),
-            ("w_max", self.w_max >= self.w_min, "must be >= w_min (inf allowed)"),
-            ("luffy_gamma", 0 < self.luffy_gamma < math.inf, "must be finite and > 0"),
-            ("kl_coef", 0 <= self.kl_coef < math.inf, "must be finite and >= 0"),
-            ("max_len", self.max_len is None or self.max_len >= 1, "must be None or >= 1"),
-        )
-        for name, ok, why in checks:  # NaN fails every comparison, so it is rejected too
-            if not ok:
-                raise ValueError(f"{name}: {why}, got {getattr(self, name)!r}")
+        self.validate()
+
+    def validate(self) -> None:
+        """require() every field (NaN fails every comparison, so it is rejected too)."""
+        require_choices(self)
+        require(self, "clip_low", 0 <= self.clip_low <= 1, "must be in [0, 1]")
+        require(self, "clip_high", 0 <= self.clip_high < math.inf, "must be finite and >= 0")
+        for name in ("reweight", "scale_advantages", "check_values"):
+            require(self, name, isinstance(getattr(self, name), bool), "must be a bool")
+        require(self, "w_min", 0 <= self.w_min < math.inf, "must be finite and >= 0")
+        require(self, "w_max", self.w_max >= self.w_min, "must be >= --w-min (inf allowed)")
+        require(self, "luffy_gamma", 0 < self.luffy_gamma < math.inf, "must be finite and > 0")
+        require(self, "kl_coef", 0 <= self.kl_coef < math.inf, "must be finite and >= 0")
+        require(self, "max_len", self.max_len is None or self.max_len >= 1, "must be none or >= 1")
 
 
 def group_advantages(
@@ -276,8 +298,8 @@ def aggregate(
     return masked.sum() / (loss_mat.shape[0] * max_len)
 
 
-def _validate(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_logp, config):
-    """Raise ValueError naming the input that does not fit policy_loss (shape, codes, NaN/inf)."""
+def check_shapes(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_logp, config):
+    """Raise ValueError naming the input whose shape (or type) does not fit token_losses."""
     if not isinstance(config, LossConfig):
         raise ValueError(f"config must be a LossConfig, got {type(config).__name__}")
     if logp.dim() != 2:
@@ -299,12 +321,18 @@ def _validate(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_
             f"advantages has shape {tuple(advantages.shape)} but logp has shape "
             f"{tuple(logp.shape)}; expected {tuple(logp.shape[:1])} or {tuple(logp.shape)}"
         )
+    if config.kl_coef > 0 and ref_logp is None:
+        raise ValueError(f"ref_logp is required when kl_coef > 0 (kl_coef={config.kl_coef})")
+
+
+def check_values(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_logp):
+    """Raise ValueError naming the input whose values do not fit token_losses: a mask that is not
+    0/1, a source code that is neither POLICY nor INTERVENED, NaN or inf advantages, NaN or +inf
+    log-probs, or -inf at a trained position (-inf is fine where loss_mask is 0)."""
     if not ((loss_mask == 0) | (loss_mask == 1)).all():
         raise ValueError("loss_mask must hold only 0 and 1 (or bool)")
     if source is not None and not ((source == POLICY) | (source == INTERVENED)).all():
         raise ValueError(f"source must hold only POLICY={POLICY} and INTERVENED={INTERVENED}")
-    if config.kl_coef > 0 and ref_logp is None:
-        raise ValueError(f"ref_logp is required when kl_coef > 0 (kl_coef={config.kl_coef})")
     if not torch.isfinite(advantages).all():
         raise ValueError("advantages contains NaN or inf")
     trained = loss_mask != 0
@@ -323,7 +351,23 @@ def _validate(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_
             raise ValueError(f"{name} contains -inf at a trained position (loss_mask = 1)")
 
 
-def policy_loss(
+class TokenLosses(NamedTuple):
+    """token_losses' per-token tensors [B, T]: the loss, and what it is made of (0 or 1 where not
+    trained), for the metrics."""
+
+    loss: Tensor  # loss_t, 0 where not trained
+    rho: Tensor  # the ratio (f_t on luffy tokens)
+    w: Tensor  # the token weights
+    adv: Tensor  # the advantage of each token
+    logp: Tensor  # log pi_theta, pi_old and mu, 0 where not trained
+    old: Tensor
+    beh: Tensor
+    ref_kl: Tensor | None  # k3 KL to the reference (None without ref_logp)
+    trained: Tensor  # bool: loss_mask
+    inter: Tensor  # bool: trained INTERVENED tokens
+
+
+def token_losses(
     logp: Tensor,
     old_logp: Tensor,
     advantages: Tensor,
@@ -332,8 +376,8 @@ def policy_loss(
     behavior_logp: Tensor | None = None,
     ref_logp: Tensor | None = None,
     config: LossConfig | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """Clipped surrogate with calibrated importance weights; returns (scalar loss, metrics).
+) -> TokenLosses:
+    """The clipped surrogate with calibrated importance weights, per token:
       loss_t = -w_t * min(rho_t A, clip(rho_t, 1 - clip_low, 1 + clip_high) A)
                (rho_t, f_t from importance_ratios; w_t from token_weights on INTERVENED tokens
                when is_mode is "calibrated" and reweight, else 1. w_t > 0 sits outside the min:
@@ -341,16 +385,16 @@ def policy_loss(
                our reading of the weighted ratio rho~ = rho * w)
       loss_t = -f_t A                    INTERVENED tokens under is_mode "luffy" (no clip, w = 1)
       loss_t += kl_coef * (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)   k3 KL, when kl_coef > 0
-      loss = aggregate(loss_t, loss_mask, config.agg, config.max_len)
     Example, 1x3, A = 1, source [P, I, I], rho [1.5, 1.0, 0.9], exp(delta) on I [1, 3]:
-      w [1, .5, 1.5]; loss_t [-1.28, -0.5, -1.35]; token-mean -1.0433.
-    Inputs: see the module docstring; config None = LossConfig(). NaN and +inf are rejected
-    everywhere, -inf is allowed only where loss_mask is 0 (ValueError naming the tensor); masked
-    positions are replaced by 0 before any arithmetic, so their logp gradient is exactly 0.
-    old/behavior/ref/advantages are detached. The metrics are loss_metrics'.
-    """
+      w [1, .5, 1.5]; loss_t [-1.28, -0.5, -1.35].
+    Inputs: see the module docstring; config None = LossConfig(). Shapes are checked
+    (check_shapes), values with config.check_values (check_values). Masked positions are replaced
+    by 0 before any arithmetic, so their logp gradient is exactly 0 and -inf there is harmless.
+    old/behavior/ref/advantages are detached."""
     config = LossConfig() if config is None else config
-    _validate(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_logp, config)
+    check_shapes(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_logp, config)
+    if config.check_values:
+        check_values(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_logp)
     trained = loss_mask != 0
     zeros = torch.zeros_like(logp)
 
@@ -372,36 +416,50 @@ def policy_loss(
     else:
         w = torch.ones_like(logp)
     rho_clip = rho.clamp(1 - config.clip_low, 1 + config.clip_high)
-    loss_mat = -w * torch.minimum(rho * adv, rho_clip * adv)
+    loss = -w * torch.minimum(rho * adv, rho_clip * adv)
     luffy = inter & (config.is_mode == "luffy")
-    loss_mat = torch.where(luffy, -rho * adv, loss_mat)
+    loss = torch.where(luffy, -rho * adv, loss)
     ref_kl = None
     if ref_logp is not None:
         d = (clean(ref_logp) - logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         ref_kl = torch.exp(d) - d - 1
         if config.kl_coef > 0:
-            loss_mat = loss_mat + config.kl_coef * ref_kl
-    loss = aggregate(loss_mat, trained, config.agg, config.max_len)
-    metrics = loss_metrics(rho, w, adv, logp, old, beh, ref_kl, trained, inter, config)
-    return loss, metrics
+            loss = loss + config.kl_coef * ref_kl
+    return TokenLosses(loss, rho, w, adv, logp, old, beh, ref_kl, trained, inter)
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    source: Tensor | None = None,
+    behavior_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    config: LossConfig | None = None,
+) -> Tensor:
+    """The scalar an update backpropagates: aggregate(token_losses(...).loss, loss_mask,
+    config.agg, config.max_len). Example: token_losses' 1x3 example under token-mean, -1.0433."""
+    config = LossConfig() if config is None else config
+    terms = token_losses(
+        logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_logp, config
+    )
+    return aggregate(terms.loss, terms.trained, config.agg, config.max_len)
 
 
 @torch.no_grad()
 def loss_metrics(
-    rho: Tensor,
-    w: Tensor,
-    adv: Tensor,
     logp: Tensor,
-    old: Tensor,
-    beh: Tensor,
-    ref_kl: Tensor | None,
-    trained: Tensor,
-    inter: Tensor,
-    config: LossConfig,
+    old_logp: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    source: Tensor | None = None,
+    behavior_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+    config: LossConfig | None = None,
 ) -> dict[str, float]:
-    """policy_loss's metrics (python floats), from its tensors: ratios rho, weights w, advantages
-    adv, logp / old / beh (log pi_theta, pi_old, mu; 0 where not trained), the per-token k3
-    ref_kl (None without ref_logp), and the bool masks trained and inter (trained INTERVENED).
+    """policy_loss's figures (python floats) for the same inputs, from token_losses' tensors (rho
+    the ratios, w the weights, trained and inter the trained and trained INTERVENED tokens):
       clip_frac        trained tokens with a clipped surrogate whose clip is active for the sign
                        of A (A > 0 and rho > 1 + clip_high, or A < 0 and rho < 1 - clip_low),
                        over the trained tokens
@@ -417,26 +475,29 @@ def loss_metrics(
                        of that source with a clipped surrogate
       tokens/...       how many tokens each of the figures above is over (ints), so that
                        combine_metrics can join micro-batches into the batch's figures
-    """
+    Each figure is a device sync: a trainer that logs none can leave this function out."""
+    config = LossConfig() if config is None else config
+    t = token_losses(logp, old_logp, advantages, loss_mask, source, behavior_logp, ref_logp, config)
+    rho, trained, inter = t.rho, t.trained, t.inter
     luffy = inter & (config.is_mode == "luffy")
     ratio_tok = trained & ~luffy  # tokens with a clipped surrogate
-    clip_hi = (adv > 0) & (rho > 1 + config.clip_high)
-    clip_lo = (adv < 0) & (rho < 1 - config.clip_low)
+    clip_hi = (t.adv > 0) & (rho > 1 + config.clip_high)
+    clip_lo = (t.adv < 0) & (rho < 1 - config.clip_low)
     clipped = clip_hi | clip_lo
-    naive = logp - beh  # log of the naive ratio pi_theta / mu
+    naive = t.logp - t.beh  # log of the naive ratio pi_theta / mu
     log_lo = math.log(1 - config.clip_low) if config.clip_low < 1 else -math.inf
     outside = (naive < log_lo) | (naive > math.log(1 + config.clip_high))
-    lr = (logp - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    lr = (t.logp - t.old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     metrics = {
         "clip_frac": _share(clipped & ratio_tok, trained),
         "ratio_min": _min_over(rho, ratio_tok, 1.0),
         "ratio_mean": _mean_over(rho, ratio_tok, 1.0),
         "ratio_max": _max_over(rho, ratio_tok, 1.0),
         "naive_ratio_out_of_clip": _mean_over(outside.double(), inter, 0.0),
-        "weight_mean": _mean_over(w, inter, 1.0),
-        "weight_max": _max_over(w, inter, 1.0),
+        "weight_mean": _mean_over(t.w, inter, 1.0),
+        "weight_max": _max_over(t.w, inter, 1.0),
         "approx_kl": _mean_over(torch.exp(lr) - 1 - lr, trained, 0.0),
-        "ref_kl": 0.0 if ref_kl is None else _mean_over(ref_kl, trained, 0.0),
+        "ref_kl": 0.0 if t.ref_kl is None else _mean_over(t.ref_kl, trained, 0.0),
         "intervened_frac": _share(inter, trained),
     }
     for name, sel in (("policy", ratio_tok & ~inter), ("intervened", ratio_tok & inter)):

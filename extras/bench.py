@@ -17,7 +17,9 @@ import torch
 import envs
 import intervene
 import rti
+import runtime
 from loss import advantages_by_group
+from policy import Sampler, load_model
 
 
 def bench(
@@ -34,13 +36,13 @@ def bench(
     weights, split into the intervention and the update (whose cost follows the tokens it trains:
     RTI makes all-fail groups learnable)."""
     torch.set_num_threads(threads)
-    model, tok = rti.load_model(model_dir)
+    model, tok = load_model(model_dir)
     batch_tasks = envs.make_tasks("train")[:tasks]
-    cfg = rti.make_config(batch_tasks=tasks, group_size=group)
+    cfg = runtime.make_config(rti.Config, batch_tasks=tasks, group_size=group)
     rates = {"batched": [], "one at a time": []}
     for r in range(repeats):
         for mode in rates:
-            policy = rti.Sampler(model, tok, seed=seed + r)
+            policy = Sampler(model, tok, seed=seed + r)
             t0 = time.perf_counter()
             if mode == "batched":
                 trajs = rti.rollout(policy, batch_tasks, group)
@@ -70,10 +72,10 @@ def bench(
     # (intervention s, update s, trained tokens) per repeat
     parts = {"grpo": [], "replace": [], "paired": []}
     for r in range(repeats):
-        policy = rti.Sampler(model, tok, seed=seed + r)
+        policy = Sampler(model, tok, seed=seed + r)
         trajs = rti.rollout(policy, batch_tasks, group)
         for method in parts:
-            p = rti.Sampler(copy.deepcopy(model), tok, seed=seed + r)
+            p = Sampler(copy.deepcopy(model), tok, seed=seed + r)
             opt = torch.optim.AdamW(p.model.parameters(), lr=cfg.lr)
             t0 = time.perf_counter()
             batch = [copy.copy(t) for t in trajs]
@@ -118,7 +120,9 @@ def demo_split() -> None:
     evaluation of 100 test tasks x 4 before and after, 2 threads) and where its time goes."""
     with tempfile.TemporaryDirectory() as out:
         start = time.perf_counter()
-        res = rti.train(rti.make_config(out=out, progress=False), log=rti.silent)
+        res = rti.train(
+            runtime.make_config(rti.Config, out=out, progress=False), log=runtime.silent
+        )
         wall = time.perf_counter() - start
     parts = res["seconds"]
     parts["other (loading, tasks, checkpoints)"] = wall - sum(parts.values())

@@ -1,7 +1,7 @@
 """Chat templates that take tools (Qwen3, Hermes): actions as tool calls, observations as tool
 messages; optional (extras/).
 
-`ToolChat` replaces rti.Chat when the tokenizer's chat template takes tools (extras/scale.py picks
+`ToolChat` replaces policy.Chat when the tokenizer's chat template takes tools (extras/scale.py picks
 it for a real model): the env's actions are passed as tools with its system prompt (tau2:
 instructions and the domain policy), as the env's tool adapter gives them (`NavigationTools`
 here; an env class with `tools()`, like extras/tau2.py's, is its own adapter), an observation
@@ -121,7 +121,7 @@ def tool_adapter(env: str):
 
 
 class ToolChat(Chat):
-    """rti.Chat for a template that takes tools; the token bookkeeping (token-in, token-out) is
+    """policy.Chat for a template that takes tools; the token bookkeeping (token-in, token-out) is
     the same."""
 
     def __init__(self, tok, env: str = "navigation", thinking: bool = False):

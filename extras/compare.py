@@ -31,6 +31,7 @@ import torch
 import envs
 import intervene
 import rti
+import runtime
 from extras.compare_figures import plot_compute, plot_curves, plot_heatmap
 from extras.compare_report import (
     BOUNDARY_SAMPLES,
@@ -42,6 +43,7 @@ from extras.compare_report import (
     training_minutes,
     write_report,
 )
+from policy import Sampler, load_model
 
 # the paper's Table 3 rows and the strong baseline practitioners use for sparse rewards (DAPO's
 # dynamic sampling), all from the same warm start, budget and seeds; each method at the learning
@@ -133,7 +135,7 @@ def compare(
     at learning rate `grpo_lr`, then write the table (markdown and CSV), the beyond-the-boundary
     counts and the figures under out_dir. Returns the per-run results."""
     # the runs' flags, checked (a bad one exits) before any run starts
-    _, _, run_cfg = rti.parse_args(extra)
+    _, _, run_cfg = runtime.parse_args(extra, rti.Config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     runs = [(name, seed) for seed in seeds for name in methods]
@@ -213,8 +215,8 @@ def warm_boundary(
     if cached and len(cached[1]) == len(tasks):
         return tuple(cached)
     torch.set_num_threads(threads)
-    model, tok = rti.load_model(init)
-    sampler = rti.Sampler(model, tok, seed=seed)
+    model, tok = load_model(init)
+    sampler = Sampler(model, tok, seed=seed)
     warm = rti.evaluate_policy(sampler, tasks, BOUNDARY_SAMPLES, seed=seed, per_task=True)
     path.write_text(json.dumps(warm))
     return warm
@@ -224,8 +226,8 @@ def warm_batch(model_dir, seed: int = 0, n_tasks: int = 32) -> tuple:
     """(policy, batch): one rollout of the first n_tasks train tasks x 8 from `model_dir`,
     intervened with the default RTIConfig. From the warm start (a run's first step), since a
     trained model seldom fails a whole group."""
-    model, tok = rti.load_model(str(model_dir))
-    policy = rti.Sampler(model, tok, seed=seed)
+    model, tok = load_model(str(model_dir))
+    policy = Sampler(model, tok, seed=seed)
     trajs = rti.rollout(policy, envs.make_tasks("train")[:n_tasks], 8, seed)
     batch, _ = intervene.intervene_batch(policy, trajs, intervene.RTIConfig(), policy.make_env)
     return policy, batch

@@ -14,6 +14,7 @@ import torch
 
 import loss
 import rti
+import runtime
 from extras.compare_report import eval_points, per_step
 
 
@@ -144,7 +145,7 @@ def plot_heatmap(policy, trajs: list, png) -> None:
 
     model = policy.model
     tok = policy.tok
-    cfg = rti.make_config(mini_batches=1)  # one update: the first of the two steps
+    cfg = runtime.make_config(rti.Config, mini_batches=1)  # one update: the first of the two steps
     j = next(
         (j for j, t in enumerate(trajs) if t.intervention and loss.INTERVENED in t.source), None
     )

@@ -182,7 +182,7 @@ def corrections_written(batch: list, source: str) -> str:
 
 def eval_points(rows: list[dict]) -> list[tuple[int, int, int, float, float]]:
     """(step, total episodes, total generated tokens, training minutes, test p@1) at every
-    evaluation of a metrics log that records compute (rti.Progress): the x-axes of a comparison
+    evaluation of a metrics log that records compute (runtime.Progress): the x-axes of a comparison
     at matched compute. Evaluations without a training row at their step (step 0) are left out."""
     totals = {r["step"]: r for r in rows if "total/episodes" in r}
     points = []

@@ -25,6 +25,7 @@ import envs
 import rti
 from extras import plan
 from extras.plan import QWEN3_8B
+from policy import Chat, Sampler, load_model
 
 # the values the gpu-smoke command gives the flags left at their training defaults: LoRA, as the
 # memory plan says for Qwen3-8B on one GPU (full fine-tuning with fp32 master weights and AdamW
@@ -43,8 +44,8 @@ FILLER = "grid"  # a word of the tiny vocabulary: one token
 OBSERVATION_TOKENS = 16  # about, in the tiny vocabulary, with the turn's chat pieces
 
 
-class LongPromptChat(rti.Chat):
-    """rti.Chat whose first message starts with `filler` extra tokens, as a long system prompt
+class LongPromptChat(Chat):
+    """policy.Chat whose first message starts with `filler` extra tokens, as a long system prompt
     would."""
 
     def __init__(self, tok, filler: int, env: str = "navigation"):
@@ -55,8 +56,8 @@ class LongPromptChat(rti.Chat):
         return super().prompt_ids(" ".join([FILLER] * self.filler + [content]))
 
 
-class MeasuredSampler(rti.Sampler):
-    """rti.Sampler that remembers the longest row it decoded (tokens in the KV cache)."""
+class MeasuredSampler(Sampler):
+    """policy.Sampler that remembers the longest row it decoded (tokens in the KV cache)."""
 
     longest = 0
 
@@ -105,8 +106,8 @@ def gpu_smoke(cfg, backend_class, arch: dict = QWEN3_8B, steps: int = 2, log=pri
     )
     cfg.validate()
     tasks = envs.make_tasks("easy")[: cfg.batch_tasks]
-    _, tok = rti.load_model("tiny")
-    prompt = len(rti.Chat(tok).prompt_ids(envs.Navigation(tasks[0]).reset()))
+    _, tok = load_model("tiny")
+    prompt = len(Chat(tok).prompt_ids(envs.Navigation(tasks[0]).reset()))
     filler, turn_tokens = episode_shape(cfg, tasks, prompt)
     cfg = dataclasses.replace(cfg, max_turn_tokens=turn_tokens, prompt_tokens=filler + prompt)
     backend = backend_class(cfg)

@@ -8,6 +8,8 @@ for a small share of the weights, and a saved model is the adapters alone.
 
 from __future__ import annotations
 
+import warnings
+
 PEFT_INSTALL = "pip install -r requirements-lora.txt (peft)"
 
 
@@ -25,7 +27,11 @@ def add_lora(model, r: int, alpha: float, gradient_checkpointing: bool = False):
         target_modules="all-linear",
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft 0.21 asks by the name transformers 5 deprecated
+        warnings.filterwarnings(
+            "ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning
+        )
+        model = get_peft_model(model, config)
     if gradient_checkpointing:
         # the frozen embeddings' output requires grad, so that checkpointed blocks always see a
         # grad-requiring input and the adapters get gradients

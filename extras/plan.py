@@ -17,7 +17,7 @@ the code in this repository allocates, written out term by term so that each can
   samples (fsdp.gathered), and the root (embeddings, head, final norm) with up to four layers
   at a time in the update (the layer computed, the next prefetched, backward's recompute).
 - rollout: every row of a training batch (batch_tasks / GPUs x group_size) is decoded at once, in
-  one KV cache (rti.DecodeSession): 2 (keys, values) x layers x KV heads x head_dim x 2 bytes per
+  one KV cache (policy.DecodeSession): 2 (keys, values) x layers x KV heads x head_dim x 2 bytes per
   token (144 KiB for Qwen3-8B), a buffer that doubles when full (so up to twice the context is
   allocated), plus the first forward pass, which feeds every row's prompt at once: one layer's MLP
   intermediates (3 x intermediate) and the residual stream (3 x hidden) per token, and the
@@ -25,7 +25,7 @@ the code in this repository allocates, written out term by term so that each can
 - update: one micro-batch's forward and backward: the activations saved for backward (4 x hidden
   + 4 x intermediate + 3 x heads x head_dim + 4 x KV heads x head_dim per token and layer), or with
   gradient checkpointing each layer's input and one layer recomputed; the log-probs from the
-  hidden states a chunk of positions at a time (rti.token_logprobs), against B x T x V x 12 bytes
+  hidden states a chunk of positions at a time (policy.token_logprobs), against B x T x V x 12 bytes
   for the full-vocabulary form it replaced.
 - evaluation: as many rows as fit what the rollout leaves (ScaleBackend.evaluate decodes that
   many episodes at once), at least --eval-samples.
@@ -45,7 +45,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import rti
+from policy import LOGPROB_CHUNK, build_tiny_model, load_model
 
 GIB = 2**30
 KEPT_BACK = 0.10  # of each GPU's memory: CUDA context, NCCL buffers, fragmentation
@@ -205,9 +205,9 @@ def load_arch(name: str, model: str = "tiny") -> Arch:
 
 
 def tiny_config() -> dict:
-    """rti.build_tiny_model's configuration."""
-    _, tok = rti.load_model("tiny")
-    return rti.build_tiny_model(len(tok)).config.to_dict()
+    """policy.build_tiny_model's configuration."""
+    _, tok = load_model("tiny")
+    return build_tiny_model(len(tok)).config.to_dict()
 
 
 @dataclass
@@ -297,7 +297,7 @@ def memory_plan(cfg, arch: Arch, gpus: int, gpu_gib: float) -> Plan:
         act = tokens * arch.layers * arch.train_activation_bytes(cdt)
         how = "every layer's, no gradient checkpointing"
     parts.append(("update activations", act, f"{cfg.micro_batch} rows x {context} tokens, {how}"))
-    logprobs = 16 * rti.LOGPROB_CHUNK + tokens * arch.hidden * (cdt + 4)
+    logprobs = 16 * LOGPROB_CHUNK + tokens * arch.hidden * (cdt + 4)
     plain = 12 * tokens * arch.vocab
     parts.append(
         (

@@ -32,10 +32,13 @@ import torch.distributed as dist
 
 import evaluate
 import rti
+import runtime
 from extras import fsdp, plan
 from extras.chat_tools import ToolChat, takes_tools
 from extras.gpu_smoke import SMOKE, gpu_smoke
 from extras.lora import PEFT_INSTALL, add_lora
+from loss import require, require_choices
+from policy import Chat
 
 PROG = "-m extras.scale"
 COMMANDS = ("train", "eval", "gpu-smoke", "plan")
@@ -148,70 +151,62 @@ class ScaleConfig(rti.Config):
 
     def validate(self) -> None:
         """rti.Config's checks, then refuse a scale flag this machine cannot serve, saying what to
-        install or change."""
+        install or change (loss.require, as every config)."""
         super().validate()
-
-        def need(ok, name, why):
-            if not ok:
-                raise ValueError(f"--{name.replace('_', '-')}: {why}")
-
-        need(
+        require_choices(self)
+        require(
+            self,
+            "device",
             bool(re.fullmatch(r"cpu|auto|cuda(:\d+)?", self.device)),
-            "device",
-            f"must be cpu, cuda, cuda:N or auto, got {self.device!r}",
+            "must be cpu, cuda, cuda:N or auto",
         )
-        need(
-            not self.device.startswith("cuda") or torch.cuda.is_available(),
+        require(
+            self,
             "device",
+            not self.device.startswith("cuda") or torch.cuda.is_available(),
             f"CUDA is not available to this torch ({torch.__version__}): install a CUDA build of "
             "torch on a machine with an NVIDIA GPU, or use --device cpu",
         )
-        need(self.dtype in DTYPES, "dtype", f"must be fp32 or bf16, got {self.dtype!r}")
-        need(
+        require(
+            self,
+            "dtype",
             self.dtype != "bf16"
             or resolve_device(self.device).type != "cuda"
             or torch.cuda.is_bf16_supported(),
-            "dtype",
             "this GPU has no bf16 (it needs compute capability 8.0, Ampere or newer): "
             "use --dtype fp32",
         )
-        need(
-            self.lora_r >= 0 and self.lora_alpha > 0,
-            "lora_r",
-            "lora_r must be >= 0 (0 = full fine-tune) and lora_alpha > 0",
-        )
-        need(
-            not self.lora_r or importlib.util.find_spec("peft"),
-            "lora_r",
-            f"LoRA needs the optional package peft: {PEFT_INSTALL} "
-            "(or train all weights: --lora-r 0)",
-        )
-        need(
+        require(self, "lora_r", self.lora_r >= 0, "must be >= 0 (0 = full fine-tune)")
+        require(self, "lora_alpha", self.lora_alpha > 0, "must be > 0")
+        require(
+            self,
+            "attn_implementation",
             self.attn_implementation != "flash_attention_2"
             or importlib.util.find_spec("flash_attn"),
-            "attn_implementation",
             "flash_attention_2 needs: pip install flash-attn (or use sdpa)",
         )
-        for name in ("context", "prompt_tokens", "decode_tokens", "gpus"):
-            need(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
-        need(self.gpu_mem >= 0, "gpu_mem", f"must be >= 0, got {self.gpu_mem}")
+        for name in ("context", "prompt_tokens", "decode_tokens", "gpus", "gpu_mem"):
+            require(self, name, getattr(self, name) >= 0, "must be >= 0")
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        need(
-            not self.fsdp or "WORLD_SIZE" in os.environ,
+        require(
+            self,
             "fsdp",
+            not self.fsdp or "WORLD_SIZE" in os.environ,
             "FSDP needs a process group and there is none: launch with "
             "`torchrun --nproc_per_node N -m extras.scale train --fsdp ...`, or drop --fsdp",
         )
-        need(
-            world == 1 or self.fsdp,
+        require(
+            self,
             "fsdp",
+            world == 1 or self.fsdp,
             f"started as {world} processes without --fsdp: add --fsdp (otherwise "
             "every process trains its own copy of the model)",
         )
-        need(
-            self.batch_tasks % world == 0,
+        require(
+            self,
             "batch_tasks",
-            f"{self.batch_tasks} tasks do not split evenly across {world} processes",
+            self.batch_tasks % world == 0,
+            f"must split evenly across the {world} processes",
         )
 
 
@@ -238,7 +233,14 @@ class ScaleBackend(rti.Backend):
     in fp32; in bf16, 131 GB, and fp32 one layer at a time)."""
 
     def __init__(self, cfg: ScaleConfig):
-        super().__init__(cfg)
+        self.cfg = cfg
+        if cfg.lora_r and not importlib.util.find_spec(
+            "peft"
+        ):  # a plan needs no adapter: not in validate
+            raise ValueError(
+                f"--lora-r: LoRA needs the optional package peft: {PEFT_INSTALL} "
+                "(or train all weights: --lora-r 0)"
+            )
         self.device = resolve_device(cfg.device)
         self.plan = None
         if self.device.type == "cuda" and cfg.context and (cfg.model_config or cfg.model != "tiny"):
@@ -279,7 +281,7 @@ class ScaleBackend(rti.Backend):
             model = model.to(self.device)
         if takes_tools(tok):
             return model, ToolChat(tok, env, cfg.thinking)
-        return model, rti.Chat(tok, env)
+        return model, Chat(tok, env)
 
     def gathered(self, model):
         return fsdp.gathered(model)
@@ -365,13 +367,13 @@ class ScaleBackend(rti.Backend):
 
 
 def build_parser():
-    return rti.build_parser(ScaleConfig, COMMANDS, PROG)
+    return runtime.build_parser(ScaleConfig, COMMANDS, PROG)
 
 
 def smoke(cfg: ScaleConfig) -> None:
     """The gpu-smoke command: gpu_smoke with SMOKE's values for the flags left at their training
     defaults."""
-    defaults = rti.make_config(ScaleConfig)
+    defaults = runtime.make_config(ScaleConfig)
     unset = {k: v for k, v in SMOKE.items() if getattr(cfg, k) == getattr(defaults, k)}
     try:
         gpu_smoke(dataclasses.replace(cfg, **unset), ScaleBackend)
@@ -394,7 +396,7 @@ def print_plan(cfg: ScaleConfig) -> None:
 
 
 def main(argv=None) -> None:
-    command, _, cfg = rti.parse_args(argv, ScaleConfig, COMMANDS, prog=PROG)
+    command, _, cfg = runtime.parse_args(argv, ScaleConfig, COMMANDS, prog=PROG)
     torch.set_num_threads(cfg.threads)
     if command == "plan":
         print_plan(cfg)

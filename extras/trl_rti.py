@@ -50,6 +50,7 @@ import argparse
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -59,20 +60,24 @@ import envs
 import evaluate
 import intervene
 import rti
+import runtime
 from extras.chat_tools import NavigationTools
-from loss import POLICY, LossConfig, group_advantages, policy_loss
+from loss import POLICY, LossConfig, group_advantages, loss_metrics, policy_loss
+from policy import Sampler, load_model
 
 INSTALL = "pip install -r requirements-trl.txt   (trl==1.16.0)"
 try:
     from trl import GRPOConfig, GRPOTrainer
 except ImportError as e:  # say how to get it
     raise ImportError(f"extras.trl_rti needs TRL: {INSTALL}") from e
+# TRL 1.16 calls transformers' checkpointing API by the names transformers 5 deprecated
+# (gradient_checkpointing..., a FutureWarning at each call); this project calls the new names
+warnings.filterwarnings("ignore", r"`(is_)?gradient_checkpointing\w*` is deprecated", FutureWarning)
 
 # ----------------------------------------------------------------------------- core names
-# The only place this file names the core modules' API.
-Sampler = rti.Sampler
+# The only place this file names the core modules' API (policy.Sampler and load_model come in
+# by their import above).
 RTIConfig = intervene.RTIConfig
-load_model = rti.load_model
 rollout = rti.rollout
 Trajectory = rti.Trajectory
 update = rti.update  # update(sampler, opt, trajs, advantages, train_config(...))
@@ -81,7 +86,7 @@ WARMSTART = rti.WARMSTART_DIR
 
 def train_config(**flags):
     """rti.Config from flat flags (micro_batch, agg, clip_high, lr, ...)."""
-    return rti.make_config(**flags)
+    return runtime.make_config(rti.Config, **flags)
 
 
 def run_intervention(sampler, trajs, cfg):
@@ -387,16 +392,18 @@ class RTIGRPOTrainer(GRPOTrainer):
         logp = self._get_per_token_logps_and_entropies(model, ids, attn, C)[0]
         mask = inputs["completion_mask"] * inputs["tool_mask"]
         old = inputs.get("old_per_token_logps")
-        loss, metrics = policy_loss(
-            logp,
-            logp.detach() if old is None else old,
-            inputs["advantages"],
-            mask,
+        loss_inputs = dict(
+            logp=logp,
+            old_logp=logp.detach() if old is None else old,
+            advantages=inputs["advantages"],
+            loss_mask=mask,
             source=inputs["rti_source"],
             behavior_logp=inputs["rti_behavior_logps"],
             ref_logp=inputs.get("ref_per_token_logps"),
             config=self.rti_loss_config,
         )
+        loss = policy_loss(**loss_inputs)
+        metrics = loss_metrics(**loss_inputs)
         mode = "train" if self.model.training else "eval"
         accum = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         if self.loss_type == "dapo":  # TRL: token sum / tokens of the whole accumulated batch
@@ -408,6 +415,8 @@ class RTIGRPOTrainer(GRPOTrainer):
             loss = loss / accum
         for k, v in metrics.items():
             self._metrics[mode][f"rti/{k}"].append(v)
+        if self.rti_config is not None and mode == "train":  # the report's reweighting figures
+            self.rti_stats.append(evaluate.reweighting_counts(metrics))
         return loss
 
 

@@ -38,8 +38,11 @@ from tqdm.auto import tqdm
 
 import envs
 import intervene
+import loss
 import rti
+import runtime
 from loss import group_rows
+from policy import Chat, Sampler, load_model, pad_rows
 
 
 @dataclass
@@ -99,23 +102,23 @@ class WarmStartConfig(rti.Config):
     )
 
     def validate(self) -> None:
-        rti.require(
+        loss.require(
             self,
             "ws_split",
             self.ws_split in envs.SPLITS,
             f"must be a Navigation split: {list(envs.SPLITS)}",
         )
-        rti.require(
+        loss.require(
             self,
             "ws_steps",
             self.ws_steps >= 1 and self.ws_batch >= 1,
             "ws_steps and ws_batch must be >= 1",
         )
-        rti.require(self, "ws_lr", self.ws_lr > 0, "must be > 0")
-        rti.require(self, "ws_hint_frac", 0 <= self.ws_hint_frac <= 1, "must be in [0, 1]")
-        rti.require(self, "ws_route_frac", 0 <= self.ws_route_frac <= 1, "must be in [0, 1]")
+        loss.require(self, "ws_lr", self.ws_lr > 0, "must be > 0")
+        loss.require(self, "ws_hint_frac", 0 <= self.ws_hint_frac <= 1, "must be in [0, 1]")
+        loss.require(self, "ws_route_frac", 0 <= self.ws_route_frac <= 1, "must be in [0, 1]")
         for name in ("ws_evidence_frac", "ws_copy_frac"):
-            rti.require(self, name, 0 <= getattr(self, name) <= 1, "must be in [0, 1]")
+            loss.require(self, name, 0 <= getattr(self, name) <= 1, "must be in [0, 1]")
         super().validate()
 
 
@@ -124,7 +127,7 @@ PROG = "-m extras.warmstart"
 
 
 def teacher_sequence(
-    chat: rti.Chat,
+    chat: Chat,
     task,
     rng: random.Random,
     hint_frac: float,
@@ -198,8 +201,8 @@ def warmstart(cfg: WarmStartConfig, log=print):
     """Supervised warm start on optimal `easy` trajectories: weighted next-token cross-entropy
     sum_t w_t CE_t / sum_t w_t (teacher_sequence's weights); saves model + tokenizer to
     cfg.ws_out."""
-    model, tok = rti.load_model(cfg.model, cfg.seed)
-    chat = rti.Chat(tok)
+    model, tok = load_model(cfg.model, cfg.seed)
+    chat = Chat(tok)
     tasks = envs.make_tasks(cfg.ws_split)
     rng = random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.ws_lr, weight_decay=0.0)
@@ -230,9 +233,9 @@ def warmstart(cfg: WarmStartConfig, log=print):
             batches = [pool[i : i + cfg.ws_batch] for i in range(0, len(pool), cfg.ws_batch)]
             rng.shuffle(batches)
         batch = batches.pop()
-        ids = rti.pad_rows([b[0] for b in batch], tok.pad_token_id, torch.long, model.device)
-        mask = rti.pad_rows([[1] * len(b[0]) for b in batch], 0, torch.long, model.device)
-        w = rti.pad_rows([b[1] for b in batch], 0.0, torch.float32, model.device)[:, 1:].reshape(-1)
+        ids = pad_rows([b[0] for b in batch], tok.pad_token_id, torch.long, model.device)
+        mask = pad_rows([[1] * len(b[0]) for b in batch], 0, torch.long, model.device)
+        w = pad_rows([b[1] for b in batch], 0.0, torch.float32, model.device)[:, 1:].reshape(-1)
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
         ce = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
@@ -299,8 +302,8 @@ def report(cfg: WarmStartConfig, model_dir: str, log=print) -> dict:
     figures that decide whether RL can start from it: p@1 on --test-split (--eval-tasks x
     --eval-samples), the share of --group-size-sample groups on --train-split with no success
     (--batch-tasks tasks), and how it uses the route tool on both."""
-    model, tok = rti.load_model(model_dir, cfg.seed)
-    sampler = rti.Sampler(model, tok, cfg.temperature, cfg.top_p, cfg.max_turn_tokens, cfg.seed)
+    model, tok = load_model(model_dir, cfg.seed)
+    sampler = Sampler(model, tok, cfg.temperature, cfg.top_p, cfg.max_turn_tokens, cfg.seed)
     test_tasks = envs.Navigation.tasks(cfg.test_split)[: cfg.eval_tasks]
     train_tasks = envs.Navigation.tasks(cfg.train_split)[: cfg.batch_tasks]
     with torch.no_grad():
@@ -320,11 +323,11 @@ def report(cfg: WarmStartConfig, model_dir: str, log=print) -> dict:
 
 
 def build_parser():
-    return rti.build_parser(WarmStartConfig, COMMANDS, PROG)
+    return runtime.build_parser(WarmStartConfig, COMMANDS, PROG)
 
 
 def main(argv=None) -> None:
-    command, path, cfg = rti.parse_args(argv, WarmStartConfig, COMMANDS, prog=PROG)
+    command, path, cfg = runtime.parse_args(argv, WarmStartConfig, COMMANDS, prog=PROG)
     torch.set_num_threads(cfg.threads)
     if command == "report":
         report(cfg, path or cfg.ws_out)

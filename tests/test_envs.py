@@ -406,7 +406,7 @@ def words_ok(text, vocab):
     assert not bad, (bad, text)
 
 
-# The tiny model numbers its tokens in vocabulary order (rti.load_model), and the committed
+# The tiny model numbers its tokens in vocabulary order (policy.load_model), and the committed
 # checkpoints depend on it: the words of Navigation's texts, then the labels and numbers.
 TEXT_WORDS = (
     "move up down left right route finish visit then grid pos next blocked none error hit wall off"

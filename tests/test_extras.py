@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import rti
+import runtime
 from extras import compare, compare_figures, compare_report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +32,7 @@ NEEDS_TRL = {"extras.trl_rti", "extras.bench_trl"}  # optional: skipped without 
 
 # The str-valued options that take any value (paths, model names, split names, ...), each with why;
 # every other str-valued option is one of a few words and must list its choices.
-CONFIG_FREE_FORM = {  # rti.Config's, in every parser rti.build_parser builds
+CONFIG_FREE_FORM = {  # rti.Config's, in every parser runtime.build_parser builds
     "model": "'tiny' or any model directory",
     "init": "any checkpoint directory, or ''",
     "user_model": "'', 'scripted' or any model directory",
@@ -62,7 +63,7 @@ FREE_FORM = {
     "extras.warmstart": {**CONFIG_FREE_FORM, "ws_out": "any directory"},
 }
 # the flags of rti.Config's nested configs (loss.py's LossConfig, intervene.py's RTIConfig)
-NESTED = {f.name for parent, f in rti.flag_fields(rti.Config) if parent}
+NESTED = {f.name for parent, f in runtime.flag_fields(rti.Config) if parent}
 
 
 def import_command(name: str):
@@ -136,7 +137,7 @@ def test_every_option_has_help_and_choices(command):
 def test_every_nested_config_option_has_help_and_choices():
     """The same for the flags of loss.py's and intervene.py's configs, which rti.py, extras.scale
     and extras.warmstart share: their help text and choices sit in their fields' metadata."""
-    problems = option_problems(rti.build_parser(), {}, NESTED)
+    problems = option_problems(runtime.build_parser(rti.Config), {}, NESTED)
     assert not problems, "\n".join(problems)
 
 
@@ -371,7 +372,7 @@ def test_one_warm_start_batch_gives_the_corrections_line_and_fig7(tmp_path):
 
 
 def compute_log(episodes_per_step: int, p1: dict[int, float], steps: int = 4) -> list[dict]:
-    """A metrics log as rti.Progress writes it: compute totals every step, test p@1 at `p1`'s
+    """A metrics log as runtime.Progress writes it: compute totals every step, test p@1 at `p1`'s
     steps, one training minute a step."""
     rows = []
     for step in range(1, steps + 1):

@@ -1,14 +1,16 @@
 """intervene.py on a scripted policy and the Navigation task.
 
-The policy is a real `rti.Sampler` (tiny model, real tokenizer, real KV-cached sessions and scoring) whose choices are
+The policy is a real `policy.Sampler` (tiny model, real tokenizer, real KV-cached sessions and scoring) whose choices are
 scripted: `sample_turn` plays a plan (optimal moves, with wrong ones at given turns) and feeds the chosen ids into the
-session as the real sampler does; `generate` answers as the corrector / validator / verifier functions a test gives,
-and records every context it was shown. Trajectories are produced by `rti.rollout` with that policy, so they are
-genuine token sequences.
+session as the real sampler does; `generate` answers the roles' one-off prompts as the corrector / validator / verifier
+functions a test gives, and records every context it was shown. Trajectories are produced by `rti.rollout` with that
+policy, so they are genuine token sequences. The last test runs the whole intervention with a policy of its own, written
+on plain `model.generate` and a forward pass (no KV session).
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import math
@@ -24,7 +26,9 @@ import evaluate
 import intervene
 import loss as loss_mod
 import rti
+import runtime
 from intervene import INTERVENED, POLICY, RTIConfig
+from policy import Chat, DecodeSession, Sampler, load_model
 
 torch.set_num_threads(1)
 
@@ -50,7 +54,7 @@ ROLE_PROMPT = re.compile(
 @pytest.fixture(scope="module")
 def tiny():
     torch.set_num_threads(1)
-    return rti.load_model("tiny", seed=0)
+    return load_model("tiny", seed=0)
 
 
 def test_scripted_tasks_fit_the_scenarios():
@@ -115,28 +119,17 @@ class Query:
     attempt: int = 0  # how many times this exact context was asked before
 
 
-class RecordingSession(rti.DecodeSession):
-    """A DecodeSession that also keeps the token ids of each row (what the model has seen) and the row's number when
-    the session started (rows are renumbered when finished ones leave)."""
+class RecordingSession(DecodeSession):
+    """A DecodeSession that also keeps each row's number when the session started (rows are renumbered when finished
+    ones leave)."""
 
     def __init__(self, model, prefixes, pad_id, seeds=None):
-        self.tokens = [[] for _ in prefixes]
         self.origin = list(range(len(prefixes)))
         super().__init__(model, prefixes, pad_id, seeds)
 
-    def feed(self, rows, chunks):
-        for r, c in zip(rows, chunks):
-            self.tokens[r] += list(c)
-        super().feed(rows, chunks)
-
     def keep(self, rows):
-        self.tokens = [self.tokens[r] for r in rows]
         self.origin = [self.origin[r] for r in rows]
         super().keep(rows)
-
-    def retract(self, row, n_tokens):
-        del self.tokens[row][len(self.tokens[row]) - n_tokens :]
-        super().retract(row, n_tokens)
 
 
 def turn_logp(turn: int, n: int) -> list[float]:
@@ -149,7 +142,7 @@ def role_logp(n: int) -> list[float]:
     return [-0.3 - 0.2 * i for i in range(n)]
 
 
-class ScriptedPolicy(rti.Sampler):
+class ScriptedPolicy(Sampler):
     def __init__(
         self, tiny, max_turn_tokens=4, corrector=None, validator=None, verifier=None, scores=None
     ):
@@ -190,6 +183,8 @@ class ScriptedPolicy(rti.Sampler):
         session.saved_logits = {
             r: session.last_logits[r].clone() for r in rows
         }  # what retract restores
+        for r in rows:
+            session.turn_start[r] = len(session.tokens[r])
         ids_out, logp_out = [], []
         for r in rows:
             ctx = list(session.tokens[r])
@@ -236,7 +231,11 @@ class ScriptedPolicy(rti.Sampler):
         self._asked[key] = q.attempt + 1
         return q
 
-    def generate(self, contexts, max_new=None):
+    def generate(self, contexts, max_new=None, streams=None):
+        if (
+            streams is not None
+        ):  # an episode's turn: the real sampler's session, scripted choices (sample_turn)
+            return super().generate(contexts, max_new, streams)
         max_new = max_new or self.max_turn_tokens
         ids_out, logp_out = [], []
         for ctx in contexts:
@@ -652,7 +651,7 @@ def test_ppl_is_the_perplexity_of_the_rewritten_tokens_without_the_hint(tiny):
     hint_ids = set(policy.chat.ids(intervene.HINT_OPEN + " " + intervene.HINT_CLOSE))
     assert not hint_ids & set(t.ids)  # ... which holds no hint
     assert any(intervene.HINT_OPEN in q.text for q in policy.role_calls["corrector"])
-    lp = rti.Sampler.score(policy, [t.ids])[0]
+    lp = Sampler.score(policy, [t.ids])[0]
     vals = [lp[p] for k in (1, 3) for p in span(t, k)]
     assert len(vals) == 2 * 3  # two rewritten turns of two words and an eos
     expected = math.exp(-sum(vals) / len(vals))
@@ -895,16 +894,16 @@ def raise_(*a, **k):
 @pytest.mark.parametrize(
     "where,patch",
     [
-        ("corrector", lambda self, cases: raise_()),
         (
             "corrector",
             lambda self, cases: [intervene.Rewrite([5, 3], [0.0, 0.0], "x")] * (len(cases) + 1),
         ),
-        ("verifier", lambda self, cases, rewrites: raise_()),
         ("verifier", lambda self, cases, rewrites: []),
     ],
 )
-def test_a_broken_role_rejects_and_the_run_goes_on(tiny, monkeypatch, where, patch):
+def test_a_wrong_number_of_answers_is_a_rejection_and_the_run_goes_on(
+    tiny, monkeypatch, where, patch
+):
     cls = intervene.SelfCorrector if where == "corrector" else intervene.RubricVerifier
     monkeypatch.setattr(cls, "rewrite" if where == "corrector" else "accept", patch)
     policy = ScriptedPolicy(tiny)
@@ -922,26 +921,30 @@ def test_a_broken_role_rejects_and_the_run_goes_on(tiny, monkeypatch, where, pat
     assert stats["with_accepted"] == 0 and stats["steps_flagged"] == 2
 
 
-def test_a_role_raising_inside_generate_is_a_rejection(tiny):
+@pytest.mark.parametrize("where", ["validator", "corrector", "verifier"])
+def test_a_role_that_raises_stops_the_run(tiny, monkeypatch, where):
+    """A bug in a role is not a rejection: it propagates, so no statistic hides it."""
+    cls, method = {
+        "validator": (intervene.RubricValidator, "check"),
+        "corrector": (intervene.SelfCorrector, "rewrite"),
+        "verifier": (intervene.RubricVerifier, "accept"),
+    }[where]
+    monkeypatch.setattr(cls, method, raise_)
+    policy = ScriptedPolicy(tiny)
+    trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
+    with pytest.raises(RuntimeError, match="role broke"):
+        run(policy, trajs, cfg(intervene_per_group=1))
+
+
+def test_a_role_raising_inside_generate_stops_the_run(tiny):
     policy = ScriptedPolicy(tiny, corrector=raise_)
     trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
-    out, stats = run(policy, trajs, cfg(intervene_per_group=1))
-    assert (
-        out[0] is trajs[0]
-        and stats["role_errors"] == 3
-        and stats["corrections_rejected"] == 1
-        and stats["correction_attempts"] == 3
-    )
+    with pytest.raises(RuntimeError, match="role broke"):
+        run(policy, trajs, cfg(intervene_per_group=1))
 
 
-@pytest.mark.parametrize(
-    "broken",
-    [
-        lambda self, cases: raise_(),
-        lambda self, cases: [envs.StepCheck(False, "wall")] * (len(cases) + 1),
-    ],
-)
-def test_a_broken_validator_flags_nothing(tiny, monkeypatch, broken):
+def test_a_validator_with_a_wrong_number_of_answers_flags_nothing(tiny, monkeypatch):
+    broken = lambda self, cases: [envs.StepCheck(False, "wall")] * (len(cases) + 1)  # noqa: E731
     monkeypatch.setattr(intervene.RubricValidator, "check", broken)
     policy = ScriptedPolicy(tiny)
     trajs = sample(policy, [T_MID], 2, [{2: "wall", 4: "wall"}, {0: "finish"}])
@@ -1025,13 +1028,15 @@ def test_config_fields_carry_their_help_and_choices():
         assert getattr(RTIConfig(), name) in allowed
         for value in allowed:
             assert getattr(RTIConfig(**{name: value}), name) == value
-        message = f"{name}: must be one of {sorted(allowed)}, got 'other'"
+        message = f"--{name.replace('_', '-')}: must be one of {tuple(allowed)}, got 'other'"
         with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
             RTIConfig(**{name: "other"})
 
 
 def test_config_from_trainer_flags():
-    c = rti.make_config(ppl_max=3.5, verifier="none", corrector="rule", max_corrections=2).rti
+    c = runtime.make_config(
+        rti.Config, ppl_max=3.5, verifier="none", corrector="rule", max_corrections=2
+    ).rti
     assert (c.ppl_max, c.verifier, c.corrector, c.max_corrections, c.validator) == (
         3.5,
         "none",
@@ -1044,10 +1049,16 @@ def test_config_from_trainer_flags():
 def test_empty_rewrite_without_verifier_does_not_crash(tiny):
     policy = ScriptedPolicy(tiny, corrector=lambda q: "")
     trajs = sample(policy, [T_MID], 2, [{2: "wall"}, {0: "finish"}])
-    policy.generate = lambda contexts, max_new=None: (
-        [[] for _ in contexts],
-        [[] for _ in contexts],
-    )
+    sample_turns = (
+        policy.generate
+    )  # the episodes' turns stay scripted; every role's answer is empty
+
+    def generate(contexts, max_new=None, streams=None):
+        if streams is not None:
+            return sample_turns(contexts, max_new, streams)
+        return [[] for _ in contexts], [[] for _ in contexts]
+
+    policy.generate = generate
     out, stats = run(policy, trajs, cfg(intervene_per_group=1, verifier="none"))
     assert stats["corrections_accepted"] == 1 and stats["with_accepted"] == 1
 
@@ -1373,3 +1384,80 @@ def test_without_the_post_check_a_copied_direction_enters_the_trained_trajectory
         # every rewrite copied the evidence: rejected, asked again, rejected; nothing enters
         assert stats.get("accepted_leaked", 0) == 0 and stats["corrections_rejected"] >= 1
         assert stats.get("kept_leaked_turns", 0) == 0 and out[0] is trajs[0]
+
+
+# ----------------------------------------------------------------------------- a policy on plain `model.generate`
+
+
+class GeneratePolicy:
+    """intervene.Policy on plain transformers, as another trainer would write it: `model.generate` samples each turn
+    and one forward pass scores. No KV session: every call encodes its contexts afresh and ignores the streams
+    (sampling draws from torch's global generator)."""
+
+    def __init__(self, model, tok, max_turn_tokens=4):
+        self.model, self.tok, self.max_turn_tokens = model, tok, max_turn_tokens
+        self.chat = Chat(tok)  # the chat template's token pieces
+        self.make_env = envs.Navigation  # what rti.rollout asks besides
+
+    @torch.no_grad()
+    def generate(self, contexts, max_new=None, streams=None):
+        ids_out, logp_out = [], []
+        for ctx in contexts:
+            out = self.model.generate(
+                torch.tensor([ctx]),
+                max_new_tokens=max_new or self.max_turn_tokens,
+                do_sample=True,
+                top_k=0,
+                eos_token_id=self.chat.eos_id,
+                pad_token_id=self.tok.pad_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            ids = out.sequences[0, len(ctx) :].tolist()
+            ids_out.append(ids)
+            logp_out.append(
+                [torch.log_softmax(z[0], -1)[i].item() for z, i in zip(out.logits, ids)]
+            )
+        return ids_out, logp_out
+
+    @torch.no_grad()
+    def score(self, seqs):
+        out = []
+        for seq in seqs:
+            logits = self.model(torch.tensor([seq])).logits[0, :-1]
+            logp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[1:])[:, None])
+            out.append([0.0] + logp.squeeze(-1).tolist())
+        return out
+
+
+def test_the_whole_intervention_runs_on_a_policy_written_on_plain_generate():
+    """Validate, correct, verify, continue and gate with GeneratePolicy on the committed warm start: the counters add
+    up, every kept correction is a success whose corrected turns are INTERVENED tokens carrying the corrector's
+    log-probs, and the policy's own turns after it come from the continuation."""
+    torch.manual_seed(0)
+    policy = GeneratePolicy(*load_model(rti.WARMSTART_DIR))
+    tasks = envs.make_tasks("test", n=4)
+    trajs = rti.rollout(policy, tasks, group_size=2, seed=0)
+    cfg = RTIConfig(group_mode="paired", ppl_max=100.0)
+    out, counts = intervene.intervene_batch(policy, trajs, cfg, envs.Navigation)
+    s = {**dict.fromkeys(intervene.REWRITE_KINDS, 0), **evaluate.intervention_rates(counts)}
+    s = collections.Counter(s)
+    assert s["groups_triggered"] >= 1 and s["intervened"] == 2 * s["groups_triggered"]
+    assert s["steps_flagged"] >= 1 and s["steps_flagged"] <= s["steps_checked"]
+    assert s["corrections_accepted"] + s["corrections_rejected"] == s["steps_flagged"]
+    attempts = s["rewrites_justified"] + s["rewrites_leaked"] + s["rewrites_invalid"]
+    assert attempts == s["correction_attempts"] >= s["steps_flagged"]
+    assert (
+        s["accepted_leaked"] == s["accepted_invalid"] == 0
+    )  # the post-check lets only justified steps in
+    assert s["gate_kept"] + s["gate_dropped"] == s["corrected_successes"] <= s["with_accepted"] >= 1
+    kept = out[len(trajs) :]  # paired: kept corrections join their group after the originals
+    assert len(kept) == s["gate_kept"] >= 1 and "role_errors" not in counts
+    for t in kept:
+        assert (
+            t.reward == 1.0
+            and t.intervention["corrections"] >= 1
+            and t.intervention["ppl"] <= cfg.ppl_max
+        )
+        sources = {s for s, m in zip(t.source, t.loss_mask) if m}
+        assert sources == {POLICY, INTERVENED} or sources == {INTERVENED}

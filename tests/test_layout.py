@@ -17,8 +17,10 @@ CORE = {
     "envs": 0,
     "loss": 0,
     "evaluate": 0,
+    "runtime": 0,
     "intervene": 1,
-    "rti": 2,
+    "policy": 2,
+    "rti": 3,
 }  # level: a module imports lower levels only
 
 
@@ -109,20 +111,6 @@ class WordChat:
     action_ids = ids
 
 
-class Session:
-    def __init__(self, n):
-        self.n = n
-
-    def feed(self, rows, chunks):
-        pass
-
-    def keep(self, rows):
-        self.n = len(rows)
-
-    def retract(self, row, n):
-        pass
-
-
 class OptimalPolicy:
     """Samples the env's optimal action (through the trajectory's env, set by the test) and scores every token -0.1."""
 
@@ -131,16 +119,10 @@ class OptimalPolicy:
     def __init__(self):
         self.chat, self.envs_of_rows = WordChat(), []
 
-    def session(self, prefixes, seeds=None):
-        return Session(len(prefixes))
-
-    def sample_turn(self, session, rows):
-        ids = [self.chat.ids("move right") + [0] for _ in rows]
-        return ids, [[-0.5] * len(i) for i in ids]
-
-    def generate(self, contexts, max_new):
+    def generate(self, contexts, max_new=None, streams=None):
         ids = [self.chat.ids("move right") + [0] for _ in contexts]
-        return ids, [[-0.2] * len(i) for i in ids]
+        logp = -0.5 if streams is not None else -0.2  # an episode's turn, or a role's answer
+        return ids, [[logp] * len(i) for i in ids]
 
     def score(self, seqs):
         return [[-0.1] * len(s) for s in seqs]
@@ -184,14 +166,13 @@ class Traj:
         obs, done = env.step(self.actions[-1])
         if done:
             self.reward = float(env.score().success)
-            return None
+            return
         self.observations.append(obs)
         chunk = chat.turn_ids(obs)
         self.ids += chunk
         self.loss_mask += [0] * len(chunk)
         self.source += [POLICY] * len(chunk)
         self.sample_logp += [0.0] * len(chunk)
-        return chunk
 
 
 def test_intervene_runs_with_a_policy_and_trajectories_written_here():

@@ -1,4 +1,4 @@
-"""rti.token_logprobs without full-vocabulary tensors: the chunked form against the plain one
+"""policy.token_logprobs without full-vocabulary tensors: the chunked form against the plain one
 (values, gradients, peak memory at Qwen3's 151,936-token vocabulary), the tiny model's one-chunk
 path bit for bit, a model whose logits are not its head's, an empty micro-batch.
 
@@ -27,7 +27,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import rti  # noqa: E402
+from policy import build_tiny_model, load_model, pad_rows, token_logprobs  # noqa: E402
 
 VOCAB = 151_936  # Qwen3's
 
@@ -58,7 +58,7 @@ def random_rows(lengths, vocab, seed=0) -> list[list[int]]:
 def plain_logprobs(model, seqs, pad_id, temperature):
     """The form token_logprobs replaced: logits of every position, an fp32 copy, a divided copy
     and a full-vocabulary log_softmax."""
-    ids = rti.pad_rows(seqs, pad_id, torch.long, "cpu")
+    ids = pad_rows(seqs, pad_id, torch.long, "cpu")
     logits = model(input_ids=ids, use_cache=False).logits[:, :-1].float() / temperature
     logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     return F.pad(logp, (1, 0))
@@ -100,7 +100,7 @@ def test_chunked_values_and_gradients_match_the_plain_form(temperature, tied):
     model = random_qwen3(tied=tied)
     seqs = random_rows([40, 23, 1, 31], VOCAB)
     chunked = values_and_grads(
-        model, rti.token_logprobs, seqs, temperature, device="cpu", chunk=7 * VOCAB
+        model, token_logprobs, seqs, temperature, device="cpu", chunk=7 * VOCAB
     )
     plain = values_and_grads(model, plain_logprobs, seqs, temperature)
     mask = real(seqs, 40)
@@ -112,7 +112,7 @@ def test_no_grad_scoring_takes_the_same_values():
     model = random_qwen3()
     seqs = random_rows([30, 17], VOCAB, seed=1)
     with torch.no_grad():
-        chunked = rti.token_logprobs(model, seqs, 0, 1.0, "cpu", chunk=5 * VOCAB)
+        chunked = token_logprobs(model, seqs, 0, 1.0, "cpu", chunk=5 * VOCAB)
         plain = plain_logprobs(model, seqs, 0, 1.0) * real(seqs, 30)
     assert torch.allclose(chunked, plain, atol=1e-5, rtol=0)
 
@@ -120,20 +120,20 @@ def test_no_grad_scoring_takes_the_same_values():
 def test_one_chunk_batch_is_the_plain_form_bit_for_bit():
     """The tiny model's batches fit one chunk: the same values and gradients as the plain form,
     bit for bit (the demo's digits stay)."""
-    _, tok = rti.load_model("tiny")
-    model = rti.build_tiny_model(len(tok), seed=3)
+    _, tok = load_model("tiny")
+    model = build_tiny_model(len(tok), seed=3)
     seqs = random_rows([50, 12, 33], len(tok), seed=2)
-    logp, grads = values_and_grads(model, rti.token_logprobs, seqs, 0.9, device="cpu")
+    logp, grads = values_and_grads(model, token_logprobs, seqs, 0.9, device="cpu")
     ref_logp, ref_grads = values_and_grads(model, plain_logprobs, seqs, 0.9)
     assert torch.equal(logp, ref_logp * real(seqs, 50))
     assert all(torch.equal(grads[n], g) for n, g in ref_grads.items())
 
 
 def test_empty_micro_batch_still_reaches_every_weight():
-    """A process with no rows left runs a one-token row (rti.empty_trajectory): its log-probs are
+    """A process with no rows left runs a one-token row (rti.micro_batch_loss): its log-probs are
     empty of values but its backward runs through the model, as FSDP's collectives need."""
     model = random_qwen3()
-    logp = rti.token_logprobs(model, [[0]], 0, 1.0, "cpu", chunk=VOCAB)
+    logp = token_logprobs(model, [[0]], 0, 1.0, "cpu", chunk=VOCAB)
     assert logp.shape == (1, 1) and logp.requires_grad
     logp.sum().backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -159,7 +159,7 @@ def test_logits_changed_after_the_head_fall_back_to_the_full_logits():
     model = Gemma2ForCausalLM(config)
     seqs = random_rows([20, 9], 300, seed=4)
     with pytest.warns(UserWarning, match="changes its logits after the output head"):
-        logp = rti.token_logprobs(model, seqs, 0, 1.0, "cpu", chunk=300)
+        logp = token_logprobs(model, seqs, 0, 1.0, "cpu", chunk=300)
     assert model._rti_full_logits
     with torch.no_grad():
         want = plain_logprobs(model, seqs, 0, 1.0) * real(seqs, 20)
@@ -185,7 +185,7 @@ def memory_worker(form: str, out: str) -> None:
     if form == "plain":
         logp = plain_logprobs(model, seqs, 0, 1.0) * mask
     else:
-        logp = rti.token_logprobs(model, seqs, 0, 1.0, "cpu") * mask
+        logp = token_logprobs(model, seqs, 0, 1.0, "cpu") * mask
     (logp * weights).sum().backward()
     peak = rss_kib("VmHWM") - before
     torch.save(

@@ -4,7 +4,9 @@ import dataclasses
 import itertools
 import math
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,11 +25,19 @@ from loss import (
     group_advantages,
     group_rows,
     importance_ratios,
+    loss_metrics,
     policy_loss,
     token_weights,
 )
 
+ROOT = Path(__file__).resolve().parent.parent
 LN = math.log
+CHECKED = LossConfig(check_values=True)  # the value checks, off by default
+
+
+def loss_and_metrics(*args, **kwargs):
+    """(policy_loss, loss_metrics) of the same inputs."""
+    return policy_loss(*args, **kwargs), loss_metrics(*args, **kwargs)
 
 
 def t(rows, **kw):
@@ -125,7 +135,7 @@ def _calibrated_case():
 
 def test_calibrated_hand_value_and_grad():
     logp, old, beh, src = _calibrated_case()
-    loss, m = policy_loss(logp, old, t([1.0]), torch.ones(1, 3), src, beh)
+    loss, m = loss_and_metrics(logp, old, t([1.0]), torch.ones(1, 3), src, beh)
     # loss_t = [-1.28 (clipped), -0.5 * 1.0, -1.5 * 0.9]
     assert loss.item() == pytest.approx((-1.28 - 0.5 - 1.35) / 3, rel=1e-12)
     loss.backward()  # d/dlogp of -w rho A / 3: clipped token gets 0
@@ -138,7 +148,7 @@ def test_calibrated_hand_value_and_grad():
 
 def test_calibrated_without_reweight_hand_value():
     logp, old, beh, src = _calibrated_case()
-    loss, m = policy_loss(
+    loss, m = loss_and_metrics(
         logp, old, t([1.0]), torch.ones(1, 3), src, beh, config=LossConfig(reweight=False)
     )
     assert loss.item() == pytest.approx((-1.28 - 1.0 - 0.9) / 3, rel=1e-12)
@@ -152,7 +162,7 @@ def test_behavior_mode_hand_value():
     # rho = [0.5 (policy, vs old), 0.25 (naive, vs mu), 1.2 (naive)], A = -1:
     # -min(-rho, -clip(rho)) = [0.8, 0.8, 1.2]
     cfg = LossConfig(is_mode="behavior")
-    loss, m = policy_loss(
+    loss, m = loss_and_metrics(
         logp,
         old,
         t([-1.0]),
@@ -183,7 +193,7 @@ def test_luffy_hand_value_and_grad():
     logp = leaf(t([[LN(0.5), LN(0.4)]]))
     old = t([[LN(0.5), LN(0.9)]])  # policy rho = 1; old ignored for luffy token
     cfg = LossConfig(is_mode="luffy", luffy_gamma=0.1)
-    loss, m = policy_loss(
+    loss, m = loss_and_metrics(
         logp, old, t([2.0]), torch.ones(1, 2), torch.tensor([[POLICY, INTERVENED]]), config=cfg
     )
     # f = .4 / (.4 + .1) = .8; loss_t = [-2, -1.6]; df/dlogp = p g / (p + g)^2 = .04 / .25 = .16
@@ -215,14 +225,16 @@ def test_aggregate_hand_values():
 def test_policy_loss_each_aggregation_hand_value(agg, expect):
     old = t([[-1.0, -2.0, -3.0], [-0.5, -0.1, -9.0]])
     m = t([[1, 1, 0], [1, 0, 0]])  # rho = 1: loss_t = -A = [[-1, -1], [-2]]
-    loss, _ = policy_loss(leaf(old), old, t([1.0, 2.0]), m, config=LossConfig(agg=agg))
+    loss, _ = loss_and_metrics(leaf(old), old, t([1.0, 2.0]), m, config=LossConfig(agg=agg))
     assert loss.item() == pytest.approx(expect, rel=1e-12)
 
 
 def test_kl_hand_value():
     logp, ref = t([[LN(0.5)]]), t([[LN(0.25)]])
     cfg = LossConfig(kl_coef=0.1)
-    loss, m = policy_loss(leaf(logp), logp, t([0.0]), torch.ones(1, 1), ref_logp=ref, config=cfg)
+    loss, m = loss_and_metrics(
+        leaf(logp), logp, t([0.0]), torch.ones(1, 1), ref_logp=ref, config=cfg
+    )
     kl = 0.5 + LN(2) - 1  # exp(-ln 2) - (-ln 2) - 1
     assert loss.item() == pytest.approx(0.1 * kl, rel=1e-12)
     assert m["ref_kl"] == pytest.approx(kl, rel=1e-12)
@@ -232,13 +244,13 @@ def test_gspo_hand_value_and_grad():
     old = t([[-1.0, -2.0]])
     cfg = LossConfig(ratio_level="sequence")
     logp = leaf(old + t([[LN(2.0), 0.0]]))  # s = exp(ln2 / 2) = sqrt 2
-    loss, m = policy_loss(logp, old, t([-1.0]), torch.ones(1, 2), config=cfg)
+    loss, m = loss_and_metrics(logp, old, t([-1.0]), torch.ones(1, 2), config=cfg)
     assert loss.item() == pytest.approx(math.sqrt(2), rel=1e-12)  # -min(-1.414, -1.28)
     loss.backward()
     assert logp.grad.flatten().tolist() == pytest.approx([math.sqrt(2) / 2] * 2, rel=1e-12)
     assert m["ratio_min"] == m["ratio_max"] == pytest.approx(math.sqrt(2))
     logp = leaf(old + t([[LN(2.0), 0.0]]))
-    loss, _ = policy_loss(logp, old, t([1.0]), torch.ones(1, 2), config=cfg)
+    loss, _ = loss_and_metrics(logp, old, t([1.0]), torch.ones(1, 2), config=cfg)
     loss.backward()
     assert loss.item() == pytest.approx(-1.28) and logp.grad.abs().sum() == 0
 
@@ -247,7 +259,7 @@ def test_clip_frac_counts_only_the_active_side():
     old = torch.log(torch.tensor([[0.5, 0.4, 0.3]]))  # float32, as a trainer would pass
     logp = old + torch.log(torch.tensor([[0.5, 1.5, 1.1]]))
     for a in (1.0, -1.0):  # A > 0: only 1.5 clipped; A < 0: only 0.5
-        _, m = policy_loss(logp, old, torch.tensor([a]), torch.ones(1, 3))
+        _, m = loss_and_metrics(logp, old, torch.tensor([a]), torch.ones(1, 3))
         assert m["clip_frac"] == pytest.approx(1 / 3)
         assert m["ratio_mean"] == pytest.approx(3.1 / 3, rel=1e-6)
 
@@ -341,7 +353,7 @@ def test_vectorised_equals_loop(seed):
     for cfg in CONFIGS:
         for a in (adv, adv[:, None] * torch.linspace(0.5, 1.5, 5, dtype=torch.float64)):
             lv, ll = leaf(logp0), leaf(logp0)
-            loss, _ = policy_loss(lv, old, a, mask, src, beh, ref, cfg)
+            loss, _ = loss_and_metrics(lv, old, a, mask, src, beh, ref, cfg)
             ref_loss = loop_loss(ll, old, a, mask, src, beh, ref, cfg)
             (gv,) = torch.autograd.grad(loss, lv)
             (gl,) = torch.autograd.grad(ref_loss, ll)
@@ -352,11 +364,11 @@ def test_vectorised_equals_loop(seed):
 def test_loop_reference_sees_clipping_and_weights():
     """Guard that the random batch exercises the clip and the weight clip (else the loop test is weak)."""
     logp, old, adv, mask, src, beh, ref = _random_batch(0)
-    _, m = policy_loss(
+    _, m = loss_and_metrics(
         logp, old, adv, mask, src, beh, config=LossConfig(clip_low=0.1, clip_high=0.1)
     )
     assert m["clip_frac"] > 0 and m["weight_max"] > 1.0
-    _, m = policy_loss(logp, old, adv, mask, src, beh)
+    _, m = loss_and_metrics(logp, old, adv, mask, src, beh)
     assert m["clip_frac"] > 0
 
 
@@ -375,7 +387,7 @@ def test_masked_tokens_get_exactly_zero_grad(cfg):
     logp[mask == 0] = -math.inf  # -inf is allowed where loss_mask is 0
     old[mask == 0] = -math.inf
     lv = leaf(logp)
-    loss, m = policy_loss(lv, old, adv, mask.bool(), src, beh, ref, cfg)
+    loss, m = loss_and_metrics(lv, old, adv, mask.bool(), src, beh, ref, cfg)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(lv.grad).all()
     assert torch.equal(lv.grad[mask == 0], torch.zeros_like(lv.grad[mask == 0]))
@@ -389,7 +401,7 @@ def test_ratio_exactly_one_at_first_step():
     rho = importance_ratios(old.clone(), old, src, beh, LossConfig(), loss_mask=mask)
     assert torch.equal(rho, torch.ones_like(rho))
     for level in ("token", "sequence"):
-        _, m = policy_loss(
+        _, m = loss_and_metrics(
             leaf(old), old, adv, mask, src, beh, config=LossConfig(ratio_level=level)
         )
         assert m["ratio_min"] == m["ratio_max"] == 1.0 and m["clip_frac"] == 0.0
@@ -402,7 +414,7 @@ def test_gspo_equals_grpo_when_ratios_are_one(agg):
     out = []
     for level in ("token", "sequence"):
         lv = leaf(old)
-        loss, _ = policy_loss(
+        loss, _ = loss_and_metrics(
             lv, old, adv, mask, src, beh, config=LossConfig(agg=agg, ratio_level=level)
         )
         loss.backward()
@@ -415,8 +427,8 @@ def test_gspo_equals_grpo_when_ratios_are_one(agg):
 
 def test_behavior_logp_none_means_zeros():
     logp, old, adv, mask, src, _, _ = _random_batch(6)
-    a, ma = policy_loss(logp, old, adv, mask, src, None)
-    b, mb = policy_loss(logp, old, adv, mask, src, torch.zeros_like(old))
+    a, ma = loss_and_metrics(logp, old, adv, mask, src, None)
+    b, mb = loss_and_metrics(logp, old, adv, mask, src, torch.zeros_like(old))
     assert a.item() == b.item() and ma == mb
 
 
@@ -440,7 +452,7 @@ def test_edge_cases_finite(cfg):
     }
     for name, (a, m, s) in cases.items():
         lv = leaf(logp)
-        loss, met = policy_loss(lv, old, a, m, s, beh, config=cfg)
+        loss, met = loss_and_metrics(lv, old, a, m, s, beh, config=cfg)
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(lv.grad).all(), name
         assert all(math.isfinite(v) for v in met.values()), name
@@ -485,21 +497,61 @@ def test_nan_or_inf_names_the_tensor(name, bad):
             torch.ones(2, 3),
             behavior_logp=args["behavior_logp"],
             ref_logp=args["ref_logp"],
+            config=CHECKED,
         )
 
 
 def test_neg_inf_rejected_on_trained_token_and_other_bad_input():
     x = torch.full((1, 3), -1.0)
+    bad_old = torch.tensor([[-1.0, -math.inf, -1.0]])
     with pytest.raises(ValueError, match="old_logp contains -inf at a trained position"):
-        policy_loss(x, torch.tensor([[-1.0, -math.inf, -1.0]]), torch.zeros(1), torch.ones(1, 3))
+        policy_loss(x, bad_old, torch.zeros(1), torch.ones(1, 3), config=CHECKED)
     with pytest.raises(ValueError, match="advantages contains NaN"):
-        policy_loss(x, x, torch.tensor([math.nan]), torch.ones(1, 3))
+        policy_loss(x, x, torch.tensor([math.nan]), torch.ones(1, 3), config=CHECKED)
     with pytest.raises(ValueError, match="ref_logp is required when kl_coef > 0"):
         policy_loss(x, x, torch.zeros(1), torch.ones(1, 3), config=LossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="loss_mask must hold only 0 and 1"):
-        policy_loss(x, x, torch.zeros(1), torch.full((1, 3), 0.5))
+        policy_loss(x, x, torch.zeros(1), torch.full((1, 3), 0.5), config=CHECKED)
     with pytest.raises(ValueError, match="source must hold only"):
-        policy_loss(x, x, torch.zeros(1), torch.ones(1, 3), source=torch.full((1, 3), 2))
+        source = torch.full((1, 3), 2)
+        policy_loss(x, x, torch.zeros(1), torch.ones(1, 3), source=source, config=CHECKED)
+
+
+def test_value_checks_are_off_by_default_and_cost_no_sync():
+    """Without check_values a NaN passes through (no value check on the hot path: each is a device
+    sync); the shape checks stay on."""
+    x = torch.full((1, 3), -1.0)
+    loss = policy_loss(x, x, torch.tensor([math.nan]), torch.ones(1, 3))
+    assert math.isnan(loss.item())
+    with pytest.raises(ValueError, match="but old_logp has shape"):
+        policy_loss(x, torch.zeros(1, 2), torch.zeros(1), torch.ones(1, 3))
+
+
+def test_loss_py_imports_and_runs_with_torch_alone():
+    """loss.py copies into another trainer with torch as its only dependency: in a fresh interpreter where numpy,
+    transformers and the project's other modules cannot be imported, it imports and computes a loss and its
+    metrics."""
+    code = """
+import sys
+for name in ("numpy", "transformers", "tokenizers", "envs", "intervene", "policy", "rti", "runtime", "evaluate"):
+    sys.modules[name] = None
+import torch, loss
+x = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+value = loss.policy_loss(x, x.detach(), torch.tensor([1.0]), torch.ones(1, 3))
+value.backward()
+figures = loss.loss_metrics(x, x.detach(), torch.tensor([1.0]), torch.ones(1, 3))
+print(round(value.item(), 4), figures["tokens/trained"], x.grad.tolist())
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == [
+        "-1.0",
+        "3",
+        "[[-0.3333333432674408,",
+        "-0.3333333432674408,",
+        "-0.3333333432674408]]",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -508,18 +560,18 @@ def test_neg_inf_rejected_on_trained_token_and_other_bad_input():
         (
             "is_mode",
             "naive",
-            r"is_mode: must be one of \('calibrated', 'behavior', 'luffy'\), got 'naive'",
+            r"--is-mode: must be one of \('calibrated', 'behavior', 'luffy'\), got 'naive'",
         ),
-        ("agg", "mean", r"agg: must be one of \('token-mean'.*got 'mean'"),
-        ("ratio_level", "seq", r"ratio_level: must be one of \('token', 'sequence'\), got 'seq'"),
-        ("clip_low", -0.1, r"clip_low: must be in \[0, 1\], got -0.1"),
-        ("clip_high", float("nan"), r"clip_high: .*got nan"),
-        ("w_max", 0.1, r"w_max: must be >= w_min .*got 0.1"),
-        ("luffy_gamma", 0.0, r"luffy_gamma: .*got 0.0"),
-        ("kl_coef", -1.0, r"kl_coef: .*got -1.0"),
-        ("reweight", 1, r"reweight: must be a bool, got 1"),
-        ("scale_advantages", "yes", r"scale_advantages: must be a bool, got 'yes'"),
-        ("max_len", 0, r"max_len: .*got 0"),
+        ("agg", "mean", r"--agg: must be one of \('token-mean'.*got 'mean'"),
+        ("ratio_level", "seq", r"--ratio-level: must be one of \('token', 'sequence'\), got 'seq'"),
+        ("clip_low", -0.1, r"--clip-low: must be in \[0, 1\], got -0.1"),
+        ("clip_high", float("nan"), r"--clip-high: .*got nan"),
+        ("w_max", 0.1, r"--w-max: must be >= --w-min .*got 0.1"),
+        ("luffy_gamma", 0.0, r"--luffy-gamma: .*got 0.0"),
+        ("kl_coef", -1.0, r"--kl-coef: .*got -1.0"),
+        ("reweight", 1, r"--reweight: must be a bool, got 1"),
+        ("scale_advantages", "yes", r"--scale-advantages: must be a bool, got 'yes'"),
+        ("max_len", 0, r"--max-len: .*got 0"),
     ],
 )
 def test_config_validation(field, value, pattern):
@@ -552,12 +604,13 @@ def test_config_fields_carry_their_help_and_choices():
         "ratio_level": "str",
         "max_len": "int | None",
         "scale_advantages": "bool",
+        "check_values": "bool",
     }
     for name in ("is_mode", "agg", "ratio_level"):
         assert getattr(LossConfig(), name) in fields[name].metadata["choices"]
         for value in fields[name].metadata["choices"]:
             assert getattr(LossConfig(**{name: value}), name) == value
-        with pytest.raises(ValueError, match=f"^{name}: must be one of"):
+        with pytest.raises(ValueError, match=f"^--{name.replace('_', '-')}: must be one of"):
             LossConfig(**{name: "other"})
 
 
@@ -579,9 +632,9 @@ def test_combined_micro_batch_metrics_are_the_whole_batchs():
     mask[5] = 0.0  # and an empty row
     cfg = LossConfig(reweight=False)
     parts = [slice(0, 3), slice(3, 5), slice(5, 6)]
-    whole = policy_loss(logp, old, adv, mask, src, beh, ref, cfg)[1]
+    whole = loss_metrics(logp, old, adv, mask, src, beh, ref, cfg)
     split = [
-        policy_loss(*(x[p] for x in (logp, old, adv, mask, src, beh, ref)), cfg)[1] for p in parts
+        loss_metrics(*(x[p] for x in (logp, old, adv, mask, src, beh, ref)), cfg) for p in parts
     ]
     assert split[1]["tokens/intervened"] == 0 and split[1]["weight_mean"] == 1.0
     assert split[1]["naive_ratio_out_of_clip"] == 0.0 < split[0]["naive_ratio_out_of_clip"]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import rti
+import runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -78,7 +79,7 @@ def parse_own_flags(kind: str, target: str, args: list[str]) -> None:
     if module is None:  # envs.py: a sample task, no flags
         assert not args, f"python {target} takes no arguments"
         return
-    parser, runs = module.build_parser(), rti.build_parser()
+    parser, runs = module.build_parser(), runtime.build_parser(rti.Config)
     parser.allow_abbrev = runs.allow_abbrev = False  # the flags as written, not a prefix of them
     try:
         parsed = parser.parse_args(args)

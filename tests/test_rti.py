@@ -4,6 +4,8 @@ import copy
 import dataclasses
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,20 +14,35 @@ import torch
 import envs
 import intervene
 import rti
+import runtime
 from extras import warmstart
-from loss import POLICY, policy_loss
+from loss import POLICY, loss_metrics, policy_loss
+from policy import (
+    SDPA_SHARED_KV,
+    Chat,
+    DecodeSession,
+    KVBuffer,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Sampler,
+    load_model,
+    pad_rows,
+    token_logprobs,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def tiny():
     torch.set_num_threads(1)
-    model, tok = rti.load_model("tiny", seed=0)
+    model, tok = load_model("tiny", seed=0)
     return model, tok
 
 
 def make_policy(tiny, seed=0, **kw):
     model, tok = tiny
-    return rti.Sampler(model, tok, seed=seed, **kw)
+    return Sampler(model, tok, seed=seed, **kw)
 
 
 def easy_tasks(n):
@@ -81,7 +98,7 @@ def test_session_with_holes_matches_each_sequence_alone(tiny):
     rng = random.Random(0)
     seqs = [[rng.randrange(4, len(tok)) for _ in range(n)] for n in (5, 9, 3)]
     extra = [[rng.randrange(4, len(tok)) for _ in range(n)] for n in (2, 0, 6)]
-    s = rti.DecodeSession(model, seqs, tok.pad_token_id)
+    s = DecodeSession(model, seqs, tok.pad_token_id)
     s.feed([0, 2], [extra[0], extra[2]])
     for i in range(3):
         full = torch.tensor([seqs[i] + extra[i]])
@@ -96,15 +113,15 @@ def test_sessions_compute_transformers_sdpa_bit_for_bit(tiny):
     left-aligned in an empty cache, run without a mask. The logits are plain SDPA's with the
     padding mask, bit for bit, so sampling is unchanged."""
     model, tok = tiny
-    assert model.config._attn_implementation == rti.SDPA_SHARED_KV
+    assert model.config._attn_implementation == SDPA_SHARED_KV
     plain = copy.deepcopy(model)
     plain.set_attn_implementation("sdpa")
     rng = random.Random(0)
     seqs = [[rng.randrange(6, len(tok)) for _ in range(n)] for n in (5, 40, 3)]
     extra = [[rng.randrange(6, len(tok)) for _ in range(n)] for n in (12, 0, 6)]
-    ours, theirs = (rti.DecodeSession(m, seqs, tok.pad_token_id) for m in (model, plain))
-    ids = rti.pad_rows(seqs, tok.pad_token_id, torch.long, "cpu")
-    mask = (rti.pad_rows(seqs, -1, torch.long, "cpu") >= 0).long()
+    ours, theirs = (DecodeSession(m, seqs, tok.pad_token_id) for m in (model, plain))
+    ids = pad_rows(seqs, tok.pad_token_id, torch.long, "cpu")
+    mask = (pad_rows(seqs, -1, torch.long, "cpu") >= 0).long()
     with torch.no_grad():
         masked = plain(input_ids=ids, attention_mask=mask).logits
     last = [len(s) - 1 for s in seqs]
@@ -120,7 +137,7 @@ def test_keep_packs_out_holes(tiny):
     the cache is as wide as the longest row, and both rows still compute exactly what they would alone."""
     model, tok = tiny
     seqs, extra = [[5, 6, 7], [8, 9, 10]], [[11, 12, 13], [14, 15]]
-    s = rti.DecodeSession(model, seqs, tok.pad_token_id)
+    s = DecodeSession(model, seqs, tok.pad_token_id)
     s.feed([0], [extra[0]])
     s.feed([1], [extra[1]])
     assert s.mask.shape == (2, 8)
@@ -142,8 +159,8 @@ def test_keep_packs_out_holes(tiny):
 def test_keep_on_a_sliding_window_model_drops_rows_only():
     """A sliding-window layer keeps only its last columns, so keep() must not gather columns there: it drops rows."""
     torch.manual_seed(0)
-    model = rti.Qwen3ForCausalLM(
-        rti.Qwen3Config(
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
             vocab_size=40,
             hidden_size=32,
             intermediate_size=64,
@@ -156,7 +173,7 @@ def test_keep_on_a_sliding_window_model_drops_rows_only():
             max_window_layers=0,
         )
     ).eval()
-    s = rti.DecodeSession(model, [[5, 6, 7, 8, 9, 10], [11, 12]], 0)
+    s = DecodeSession(model, [[5, 6, 7, 8, 9, 10], [11, 12]], 0)
     s.feed([1], [[13, 14, 15]])
     keys, logits = [layer.keys[1:].clone() for layer in s.cache.layers], s.last_logits[1].clone()
     width = s.mask.shape[1]
@@ -173,7 +190,7 @@ def test_keep_drops_rows_and_their_hole_columns(tiny):
     model, tok = tiny
     rng = random.Random(1)
     seqs = [[rng.randrange(4, len(tok)) for _ in range(n)] for n in (4, 11, 6)]
-    s = rti.DecodeSession(model, seqs, tok.pad_token_id, seeds=[10, 11, 12])
+    s = DecodeSession(model, seqs, tok.pad_token_id, seeds=[10, 11, 12])
     s.feed([0, 1, 2], [[7], [8, 9, 10, 11, 12], [13]])
     assert s.mask.shape == (3, 16)  # 11 prefix columns + 5 for the second feed
     s.keep([2, 0])  # row 1, the longest, leaves; row 2 becomes row 0
@@ -231,9 +248,9 @@ def test_the_kv_buffer_grows_in_place_and_keeps_what_it_held(tiny):
     model, _ = tiny
     rng = random.Random(2)
     seq = [rng.randrange(4, 30) for _ in range(30)]
-    s = rti.DecodeSession(model, [seq], 0)
+    s = DecodeSession(model, [seq], 0)
     layer = s.cache.layers[0]
-    assert isinstance(layer, rti.KVBuffer) and layer.key_buffer.shape[2] == 64
+    assert isinstance(layer, KVBuffer) and layer.key_buffer.shape[2] == 64
     for _ in range(40):
         token = rng.randrange(4, 30)
         seq.append(token)
@@ -261,9 +278,9 @@ def test_padding_changes_no_real_tokens_logprob(tiny):
     (here one of the rows' own tokens), gives each row's log-probs alone."""
     model, _ = tiny
     seqs = [[5, 9, 7, 11, 6, 8, 12], [5, 9, 8], [5, 10, 7, 7, 9]]
-    alone = [rti.token_logprobs(model, [s], 0, 0.7, "cpu")[0] for s in seqs]
+    alone = [token_logprobs(model, [s], 0, 0.7, "cpu")[0] for s in seqs]
     for pad_id in (0, 7):
-        together = rti.token_logprobs(model, seqs, pad_id, 0.7, "cpu")
+        together = token_logprobs(model, seqs, pad_id, 0.7, "cpu")
         for row, s, lp in zip(together, seqs, alone):
             assert torch.allclose(row[: len(s)], lp, atol=1e-5)
 
@@ -288,7 +305,7 @@ def test_batched_equals_one_at_a_time(tiny):
 def test_teacher_shown_evidence_copies_the_path_or_calls_the_tool(tiny):
     """With every hint block showing evidence, the teacher copies the path's first move where it
     holds no route (copy_frac 1) or calls the tool (copy_frac 0); its episodes still succeed."""
-    chat = rti.Chat(tiny[1])
+    chat = Chat(tiny[1])
     for task in easy_tasks(4):
         for copy_frac, first in ((1.0, "move"), (0.0, "route")):
             ids, _ = warmstart.teacher_sequence(
@@ -320,8 +337,8 @@ def test_in_the_demo_regime_the_corrector_leaks_and_the_post_check_rejects_it():
     """From the demo's warm start with the default RTIConfig, the corrector is shown the grader's
     evidence and copies a hidden direction in some rewrites: the rubric verifier accepts none of
     them (and rejects attempts), while without a post-check (--verifier none) they are accepted."""
-    model, tok = rti.load_model(rti.WARMSTART_DIR)
-    policy = rti.Sampler(model, tok, seed=0)
+    model, tok = load_model(rti.WARMSTART_DIR)
+    policy = Sampler(model, tok, seed=0)
     trajs = rti.rollout(policy, envs.make_tasks("train")[:4], 8, seed=0)
     assert intervene.RTIConfig().corrector_sees == "evidence"
     stats = {
@@ -337,7 +354,8 @@ def test_in_the_demo_regime_the_corrector_leaks_and_the_post_check_rejects_it():
 
 @pytest.mark.slow
 def test_warm_start_lowers_its_loss(tmp_path):
-    cfg = rti.make_config(
+    cfg = runtime.make_config(
+        rti.Config,
         warmstart.WarmStartConfig,
         ws_steps=40,
         ws_batch=8,
@@ -350,7 +368,7 @@ def test_warm_start_lowers_its_loss(tmp_path):
 
 
 def test_teacher_sequence_hint_tokens_are_not_trained(tiny):
-    chat = rti.Chat(tiny[1])
+    chat = Chat(tiny[1])
     task = easy_tasks(1)[0]
     ids, w = warmstart.teacher_sequence(
         chat, task, random.Random(0), hint_frac=1.0, obs_weight=0.5, route_frac=0.0
@@ -377,7 +395,7 @@ def teacher_actions(chat, task, route_frac: float) -> list[str]:
 
 
 def test_teacher_routes_the_share_of_legs_it_is_told_and_always_succeeds(tiny):
-    chat = rti.Chat(tiny[1])
+    chat = Chat(tiny[1])
     for task in easy_tasks(8):
         oracle = teacher_actions(chat, task, route_frac=1.0)
         walker = teacher_actions(chat, task, route_frac=0.0)
@@ -402,7 +420,7 @@ def small_cfg(tmp_path, **kw):
         mini_batches=1,
     )
     base.update(kw)
-    return rti.make_config(**base)
+    return runtime.make_config(rti.Config, **base)
 
 
 def params(model):
@@ -441,7 +459,7 @@ def test_one_training_step_changes_the_parameters(tmp_path):
         group_size=4,
         intervene_per_group=2,
     )
-    policy = rti.init_sampler(cfg, rti.Backend(cfg))
+    policy = rti.init_policy(cfg, rti.Backend())
     before = params(policy.model).clone()
     opt = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr)
     m = rti.train_step(policy, opt, envs.make_tasks("easy")[:2], cfg)
@@ -499,19 +517,42 @@ def without_times(metrics: dict) -> dict:
         (["--verifier", "oracle"], "--verifier"),
         (["--intervene-per-group", "9"], "--group-size"),
         (["--kl-coef", "0.1"], "--kl-coef: the KL penalty needs a reference model"),
+        (["--model", "tests"], "--model: must be 'tiny' or a local Hugging Face model directory"),
+        (["--init", "/no/such/dir"], "--init: holds no checkpoint (the warm start: python -m"),
+        (["--out", "README.md/run"], "--out: cannot be a run folder here"),
     ],
 )
 def test_bad_flags_stop_with_a_message_naming_the_flag(flags, name, capsys):
     with pytest.raises(SystemExit):
-        rti.parse_args(flags)
+        runtime.parse_args(flags, rti.Config)
     assert name in capsys.readouterr().err
+
+
+def test_a_newcomers_mistake_is_one_line_not_a_traceback(tmp_path):
+    """`python rti.py --model DIR` on a folder without a model: one line naming the flag, exit 2."""
+    out = subprocess.run(
+        [sys.executable, "rti.py", "--model", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("rti.py: error: --model: must be 'tiny'")
+
+
+def test_no_progress_silences_the_weight_loading_bar(capfd):
+    cfg = runtime.make_config(rti.Config, progress=False)
+    rti.init_policy(cfg, rti.Backend())
+    assert "Loading weights" not in capfd.readouterr().err
 
 
 def test_a_config_built_in_python_gets_the_command_lines_errors(tmp_path):
     """train() validates its config as the command line does: a bad value built with make_config
     stops before any work with the flag's message, not with an error deep in the loop."""
     with pytest.raises(ValueError, match="--save-every: must be >= 1"):
-        rti.train(rti.make_config(save_every=0, out=str(tmp_path)), log=rti.silent)
+        rti.train(
+            runtime.make_config(rti.Config, save_every=0, out=str(tmp_path)), log=runtime.silent
+        )
     assert not any(tmp_path.iterdir())
 
 
@@ -560,7 +601,7 @@ def test_mini_batches_make_the_ratio_and_the_clip_act(tiny, tmp_path, monkeypatc
     mini-batch sees ratios != 1 (they are all exactly 1 in the first), some of them clipped, and a clipped token
     gets no gradient while the others do."""
     model, tok = tiny
-    policy = rti.Sampler(copy.deepcopy(model), tok, seed=4)
+    policy = Sampler(copy.deepcopy(model), tok, seed=4)
     trajs = rti.rollout(policy, easy_tasks(2), 4)
     adv = torch.tensor([1.0, -1.0] * 4)
     calls = []
@@ -584,8 +625,8 @@ def test_mini_batches_make_the_ratio_and_the_clip_act(tiny, tmp_path, monkeypatc
     assert (ratios[1] - 1).abs().max() > 0.3  # after one step: it acts
     lp, old, a, m, kw = calls[1]
     lp = lp.requires_grad_()
-    loss, metrics = policy_loss(lp, old, a, m, **kw)
-    loss.backward()
+    policy_loss(lp, old, a, m, **kw).backward()
+    metrics = loss_metrics(lp, old, a, m, **kw)
     rho, a_tok = torch.exp(lp.detach() - old), a[:, None].expand_as(lp)
     clipped = (m > 0) & (((a_tok > 0) & (rho > 1.28)) | ((a_tok < 0) & (rho < 0.8)))
     assert clipped.any() and metrics["clip_frac"] > 0
@@ -618,7 +659,9 @@ def test_dynamic_sampling_fills_the_batch_with_groups_that_have_a_spread(monkeyp
     spread, flat = [1.0, 0.0], [0.0, 0.0]
     rounds = [[flat, spread, flat], [flat, flat, flat], [spread, spread, spread]]
     monkeypatch.setattr(rti, "rollout", scripted_rollout(rounds))
-    cfg = rti.make_config(method="grpo", group_size=2, dynamic_sampling=True, max_sampling_rounds=4)
+    cfg = runtime.make_config(
+        rti.Config, method="grpo", group_size=2, dynamic_sampling=True, max_sampling_rounds=4
+    )
     draws = iter([["d", "e", "f"], ["g", "h", "i"]])
     trajs, metrics = rti.sample_batch(
         ScriptedSampler(), ["a", "b", "c"], cfg, 0, lambda: next(draws)
@@ -634,7 +677,9 @@ def test_dynamic_sampling_stops_at_its_cap_with_a_short_batch(monkeypatch):
     spread, flat = [1.0, 0.0], [0.0, 0.0]
     rounds = [[flat, flat], [spread, flat], [flat, flat]]
     monkeypatch.setattr(rti, "rollout", scripted_rollout(rounds))
-    cfg = rti.make_config(method="grpo", group_size=2, dynamic_sampling=True, max_sampling_rounds=2)
+    cfg = runtime.make_config(
+        rti.Config, method="grpo", group_size=2, dynamic_sampling=True, max_sampling_rounds=2
+    )
     trajs, metrics = rti.sample_batch(ScriptedSampler(), ["a", "b"], cfg, 0, lambda: ["c", "d"])
     assert metrics["sampling_rounds"] == 2 and metrics["sampled_episodes"] == 8
     assert metrics["batch_groups"] == 1 and [t.task for t in trajs] == ["c", "c"]
@@ -643,6 +688,6 @@ def test_dynamic_sampling_stops_at_its_cap_with_a_short_batch(monkeypatch):
 def test_without_dynamic_sampling_one_round_keeps_every_group(monkeypatch):
     flat = [0.0, 0.0]
     monkeypatch.setattr(rti, "rollout", scripted_rollout([[flat, flat]]))
-    cfg = rti.make_config(method="grpo", group_size=2)
+    cfg = runtime.make_config(rti.Config, method="grpo", group_size=2)
     trajs, metrics = rti.sample_batch(ScriptedSampler(), ["a", "b"], cfg, 0)
     assert metrics["sampling_rounds"] == 1 and len(trajs) == 4 and metrics["batch_groups"] == 2

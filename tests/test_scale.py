@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 import envs  # noqa: E402
 import intervene  # noqa: E402
 import rti  # noqa: E402
+import runtime  # noqa: E402
 from extras import fsdp, gpu_smoke, plan, scale  # noqa: E402
 from extras.chat_tools import (  # noqa: E402
     NavigationTools,
@@ -32,6 +33,7 @@ from extras.chat_tools import (  # noqa: E402
     format_tool_call,
     parse_tool_call,
 )
+from policy import Chat, Sampler, build_tiny_model, load_model, token_logprobs  # noqa: E402
 
 # Qwen3-8B's chat template (tokenizer_config.json of the hybrid-thinking Qwen3 release): tools in
 # the system message, tool results as <tool_response> blocks in a user turn, enable_thinking=False
@@ -305,10 +307,10 @@ def test_thinking_flag_reaches_the_template(qwen_tok):
 
 
 def test_tiny_chat_keeps_plain_text_actions():
-    _, tok = rti.load_model("tiny")
-    chat = rti.Chat(tok)
-    backend = scale.ScaleBackend(rti.make_config(scale.ScaleConfig))
-    assert type(backend.prepare(rti.build_tiny_model(len(tok)), tok, "navigation")[1]) is rti.Chat
+    _, tok = load_model("tiny")
+    chat = Chat(tok)
+    backend = scale.ScaleBackend(runtime.make_config(scale.ScaleConfig))
+    assert type(backend.prepare(build_tiny_model(len(tok)), tok, "navigation")[1]) is Chat
     assert chat.action_ids("move up") == chat.ids("move up")
     assert chat.action_text(chat.ids("move up") + [chat.eos_id]) == "move up"
 
@@ -317,13 +319,14 @@ def test_tiny_chat_keeps_plain_text_actions():
 def test_rti_step_with_a_qwen3_template_model(qwen_tok):
     """A random model's turns are malformed calls (error observations); rule corrections are tool
     calls, succeed and are trained on."""
-    model = rti.build_tiny_model(len(qwen_tok), seed=0)
+    model = build_tiny_model(len(qwen_tok), seed=0)
     model.config.eos_token_id = qwen_tok.eos_token_id
     model.config.pad_token_id = qwen_tok.pad_token_id
-    policy = rti.Sampler(
+    policy = Sampler(
         model, qwen_tok, temperature=1.0, max_turn_tokens=24, seed=0, chat=ToolChat(qwen_tok)
     )
-    cfg = rti.make_config(
+    cfg = runtime.make_config(
+        rti.Config,
         init="",
         method="rti",
         corrector="rule",
@@ -347,10 +350,10 @@ def test_rti_step_with_a_qwen3_template_model(qwen_tok):
 
 
 def test_model_path_loads_a_local_model_with_its_template_and_flags(qwen_tok, tmp_path):
-    model = rti.build_tiny_model(len(qwen_tok), seed=0)
+    model = build_tiny_model(len(qwen_tok), seed=0)
     model.save_pretrained(tmp_path / "m")
     qwen_tok.save_pretrained(tmp_path / "m")
-    _, _, cfg = rti.parse_args(
+    _, _, cfg = runtime.parse_args(
         [
             "--model",
             str(tmp_path / "m"),
@@ -363,7 +366,7 @@ def test_model_path_loads_a_local_model_with_its_template_and_flags(qwen_tok, tm
         scale.ScaleConfig,
         ("train",),
     )
-    policy = rti.init_sampler(cfg, scale.ScaleBackend(cfg))
+    policy = rti.init_policy(cfg, scale.ScaleBackend(cfg))
     # thinking on: no empty block
     assert policy.chat.tools and policy.chat.prompt_post.endswith("assistant\n")
     assert policy.model.config._attn_implementation == "eager"
@@ -393,13 +396,13 @@ def small_cfg(tmp_path, **kw):
         intervene_per_group=2,
     )
     base.update(kw)
-    return rti.make_config(scale.ScaleConfig, **base)
+    return runtime.make_config(scale.ScaleConfig, **base)
 
 
 def one_step(cfg):
     torch.manual_seed(0)
     backend = scale.ScaleBackend(cfg)
-    policy = rti.init_sampler(cfg, backend)
+    policy = rti.init_policy(cfg, backend)
     trainable = {
         n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad
     }
@@ -445,7 +448,7 @@ def test_bf16_full_fine_tuning_keeps_fp32_master_weights(tmp_path, master):
         hook = policy.model.model.layers[0].mlp.register_forward_hook(
             lambda module, args, out: computed.append(out.dtype)
         )
-        rti.token_logprobs(policy.model, [[1, 2, 3]], 0, 1.0, "cpu")
+        token_logprobs(policy.model, [[1, 2, 3]], 0, 1.0, "cpu")
         hook.remove()
         assert computed == [torch.bfloat16]
     else:
@@ -513,7 +516,7 @@ def test_gpu_smoke_code_path_runs_on_cpu_with_a_tiny_architecture(tmp_path):
         scale.ScaleBackend,
         arch=arch,
         steps=1,
-        log=rti.silent,
+        log=runtime.silent,
     )
     assert fig["params"] == qwen3_params(arch) == 202_176
     assert math.isfinite(fig["steps"][0]["loss"])
@@ -533,7 +536,7 @@ def test_gpu_smoke_makes_episodes_of_the_context(tmp_path):
         vocab_size=500,
     )
     cfg = small_cfg(tmp_path, batch_tasks=1, context=1024, mini_batches=1)
-    fig = gpu_smoke.gpu_smoke(cfg, scale.ScaleBackend, arch=arch, steps=1, log=rti.silent)
+    fig = gpu_smoke.gpu_smoke(cfg, scale.ScaleBackend, arch=arch, steps=1, log=runtime.silent)
     assert fig["first_message_tokens"] > 400 and fig["turn_tokens"] > 4
     assert 900 <= fig["longest_episode_tokens"] <= 1024
     assert fig["plan_peak_gib"] > 0 and fig["steps"][0]["trained_rows"] == 4, fig
@@ -586,6 +589,18 @@ def test_plan_of_a_lora_run_on_one_h200(capsys):
     assert code and "the rollout needs 220.1 GiB" in err and "--batch-tasks 4" in err
 
 
+def test_lora_without_peft_plans_but_does_not_train(capsys, monkeypatch):
+    """A plan needs no adapter: without peft `plan --lora-r 16` plans; `train --lora-r 8` stops with
+    one line naming the install command."""
+    monkeypatch.setattr(importlib.util, "find_spec", no_peft)
+    flags = ["--dtype", "bf16", "--lora-r", "16", "--gradient-checkpointing", "--context", "8192"]
+    code, out, _ = plan_run(capsys, *flags, "--batch-tasks", "4")
+    assert code == 0 and "| weights |" in out
+    with pytest.raises(SystemExit) as stop:
+        scale.main(["train", "--lora-r", "8", "--init", "", "--out", "/tmp/unused"])
+    assert "pip install -r requirements-lora.txt" in str(stop.value)
+
+
 def test_plan_refuses_full_fine_tuning_of_8b_on_one_gpu_and_names_flags_that_fit(capsys):
     code, _, err = plan_run(
         capsys, "--dtype", "bf16", "--gradient-checkpointing", "--context", "8192"
@@ -620,8 +635,8 @@ def test_plan_says_which_flag_is_wrong(capsys, flags, expect, monkeypatch):
 def test_plan_reads_a_model_directory_and_sizes_evaluation(tmp_path, capsys):
     """A config.json is all the plan reads; evaluation decodes as many episodes as fit, in whole
     tasks, and --decode-tokens caps them."""
-    _, tok = rti.load_model("tiny")
-    rti.build_tiny_model(len(tok)).save_pretrained(tmp_path / "m")
+    _, tok = load_model("tiny")
+    build_tiny_model(len(tok)).save_pretrained(tmp_path / "m")
     cfg = small_cfg(tmp_path, model_config=str(tmp_path / "m"), context=2048, eval_tasks=100)
     tiny = plan.check(cfg, 1, 40.0)
     assert tiny.fits and tiny.rows_fit > 400 and tiny.eval_rows == 400  # 100 tasks x 4 samples
@@ -653,7 +668,6 @@ def no_peft(name, *a, **kw):
         (["--fsdp"], {}, {}, "torchrun --nproc_per_node"),
         ([], {"WORLD_SIZE": "2"}, {}, "add --fsdp"),
         (["--fsdp", "--batch-tasks", "3"], {"WORLD_SIZE": "2"}, {}, "--batch-tasks"),
-        (["--lora-r", "8"], {}, {"no_peft": True}, "pip install -r requirements-lora.txt"),
         (["--attn-implementation", "flash_attention_2"], {}, {}, "pip install flash-attn"),
         (["--kl-coef", "0.1"], {}, {}, "--kl-coef: the KL penalty needs a reference model"),
         (["--context", "-1"], {}, {}, "--context: must be >= 0"),
@@ -673,7 +687,7 @@ def test_flags_the_machine_cannot_serve_say_what_to_change(
     if "flash_attention_2" in flags and FIND_SPEC("flash_attn") is not None:
         pytest.skip("flash-attn is installed here")
     with pytest.raises(SystemExit):
-        rti.parse_args(flags, scale.ScaleConfig, ("train",))
+        runtime.parse_args(flags, scale.ScaleConfig, ("train",))
     assert expect in capsys.readouterr().err
 
 
@@ -732,8 +746,8 @@ def fsdp_worker(out: str) -> None:
         ["--out", f"{out}/resumed", "--steps", "1"],
         ["--out", f"{out}/resumed", "--resume"],
     ):
-        _, _, cfg = rti.parse_args(FLAGS + ["--fsdp"] + extra, scale.ScaleConfig, ("train",))
-        rti.train(cfg, log=rti.silent, backend=scale.ScaleBackend(cfg))
+        _, _, cfg = runtime.parse_args(FLAGS + ["--fsdp"] + extra, scale.ScaleConfig, ("train",))
+        rti.train(cfg, log=runtime.silent, backend=scale.ScaleBackend(cfg))
     dist.destroy_process_group()
 
 
@@ -765,8 +779,8 @@ def test_fsdp_two_processes_match_one_process(tmp_path):
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    _, _, cfg = rti.parse_args(FLAGS + ["--out", str(tmp_path / "one")])
-    one = rti.train(cfg, log=rti.silent)
+    _, _, cfg = runtime.parse_args(FLAGS + ["--out", str(tmp_path / "one")], rti.Config)
+    one = rti.train(cfg, log=runtime.silent)
     ref = losses(tmp_path / "one" / "metrics.jsonl")
     # a real update
     assert len(ref) == 2 and all(abs(loss) > 1e-3 and norm > 1 for loss, norm in ref)
@@ -787,7 +801,7 @@ def test_fsdp_two_processes_match_one_process(tmp_path):
     # of the distance travelled
     from safetensors.torch import load_file
 
-    init = rti.build_tiny_model(one["sampler"].model.config.vocab_size).state_dict()
+    init = build_tiny_model(one["sampler"].model.config.vocab_size).state_dict()
     final = one["sampler"].model.state_dict()
     travelled = cfg.lr * cfg.steps
     for run in ("straight", "resumed"):

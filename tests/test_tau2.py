@@ -15,9 +15,11 @@ import pytest
 import envs
 import intervene
 import rti
+import runtime
 from extras import tau2 as t2
 from extras import tau2_users
 from extras.chat_tools import ToolChat, parse_tool_call
+from policy import Sampler, build_tiny_model, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -281,12 +283,13 @@ def test_env_flags_are_validated(tau2):
         (["--env", "tau2-telecom", "--init", "", "--test-split", "nope"], "--test-split"),
         (["--env", "tau2-airline", "--init", "", "--user-model", "/no/such/dir"], "--user-model"),
     ):
-        cfg = rti.make_config(
-            **{k.lstrip("-").replace("-", "_"): v for k, v in zip(argv[::2], argv[1::2])}
+        cfg = runtime.make_config(
+            rti.Config,
+            **{k.lstrip("-").replace("-", "_"): v for k, v in zip(argv[::2], argv[1::2])},
         )
         with pytest.raises(ValueError, match=flag):
             cfg.validate()
-    rti.make_config(env="tau2-telecom", init="", test_split="base").validate()
+    runtime.make_config(rti.Config, env="tau2-telecom", init="", test_split="base").validate()
 
 
 @pytest.mark.slow
@@ -294,7 +297,8 @@ def test_tiny_model_run_on_telecom_completes(telecom, tmp_path, capsys):
     """Plumbing: a random tiny model (vocabulary from the domain's texts) trains two RTI steps on
     telecom solo, with rule corrections that make successes, then `python rti.py eval` evaluates
     the saved model on the test split."""
-    cfg = rti.make_config(
+    cfg = runtime.make_config(
+        rti.Config,
         env="tau2-telecom",
         model="tiny",
         init="",
@@ -341,7 +345,7 @@ def test_model_user_sees_the_scenario_flipped_and_replays_the_same(tau2):
     """The LLM user (ModelUser, here a random tiny model) gets the scenario and the conversation
     with roles flipped; greedy decoding gives the same reply on a replay, so intervene.py's replays
     see the same observations."""
-    model, tok = rti.load_model("tiny")
+    model, tok = load_model("tiny")
     user = tau2_users.ModelUser(model, tok, max_new=6)
     seen = []
     render = tok.apply_chat_template
@@ -376,10 +380,10 @@ def test_user_replies_are_user_turns_in_rollouts_and_corrector_contexts(tau2):
     from test_scale import qwen3_style_tokenizer
 
     tok = qwen3_style_tokenizer()
-    model = rti.build_tiny_model(len(tok), seed=0)
+    model = build_tiny_model(len(tok), seed=0)
     model.config.eos_token_id = tok.eos_token_id
     model.config.pad_token_id = tok.pad_token_id
-    policy = rti.Sampler(
+    policy = Sampler(
         model,
         tok,
         max_turn_tokens=8,

@@ -48,7 +48,7 @@ def changed(before, model):
 
 def test_tool_template_renders_what_our_rollout_feeds_the_model():
     """TRL builds a tool episode as prompt + sampled ids + the suffix of each tool message; with
-    TOOL_TEMPLATE these are exactly the ids rti.Chat gives our rollout, so the tiny model sees its
+    TOOL_TEMPLATE these are exactly the ids policy.Chat gives our rollout, so the tiny model sees its
     training format in TRL too."""
     from trl.chat_template_utils import is_chat_template_prefix_preserving, supports_tool_calling
 

@@ -1,0 +1,241 @@
+"""What a training run needs around the algorithm: its command line, built from the config
+dataclasses, its metrics log, its progress and the checkpoints that resume it.
+
+    cfg = make_config(rti.Config, lr=1e-4, ppl_max=1.3)      # flat flag names, nested configs
+    command, path, cfg = parse_args(argv, rti.Config)      # the same from a command line
+
+A config is a dataclass whose fields carry their help text (and choices) in their metadata and
+check themselves in validate() (loss.require); a field that is itself a dataclass (rti.Config's
+`loss`, `rti`) nests its fields as flags of their own. Nothing here knows RL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------- the command line
+
+FLAG_TYPES = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "int | None": lambda s: None if s == "none" else int(s),
+}
+
+
+def flag_fields(cls) -> list[tuple[str | None, dataclasses.Field]]:
+    """(name of the nested config or None, field) for every flag of a config class."""
+    out = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory):
+            out += [(f.name, nested) for nested in dataclasses.fields(f.default_factory)]
+        else:
+            out.append((None, f))
+    return out
+
+
+def make_config(cls, **flags):
+    """A config of class `cls` from flat flag names, as the command line gives them:
+    make_config(rti.Config, ppl_max=3, lr=1e-4) sets rti.ppl_max and lr."""
+    owner = {f.name: parent for parent, f in flag_fields(cls)}
+    unknown = set(flags) - set(owner)
+    if unknown:
+        raise TypeError(f"unknown config fields {sorted(unknown)}")
+    nested = {}
+    for f in dataclasses.fields(cls):
+        if f.name in owner.values():
+            own_flags = {k: v for k, v in flags.items() if owner[k] == f.name}
+            nested[f.name] = f.default_factory(**own_flags)
+    top = {k: v for k, v in flags.items() if owner[k] is None}
+    return cls(**top, **nested)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Prints each flag's default after its help text, an empty string as ''."""
+
+    def _get_help_string(self, action):
+        if action.default == "" and "%(default)" not in (action.help or ""):
+            return f"{action.help} (default: '')"
+        return super()._get_help_string(action)
+
+
+def declared_by(cls, name: str) -> type:
+    """The class of cls's MRO that declares field `name` (a subclass's own fields are its)."""
+    return next(c for c in reversed(cls.__mro__) if name in vars(c).get("__annotations__", {}))
+
+
+def build_parser(cls, commands=("train", "eval"), prog="rti.py") -> argparse.ArgumentParser:
+    """The command line of a config class: a flag per field, with the help text and choices of
+    the field's metadata, grouped by the config that declares it (the base config's as "run");
+    the description is the first line of the docstring of the module that defines `cls`."""
+    module = sys.modules[cls.__module__]
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=(module.__doc__ or "").strip().split("\n")[0],
+        usage=f"python {prog} [{' | '.join(commands)}] [MODEL_DIR] [--flag VALUE ...]",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("command", nargs="?", default=commands[0], choices=commands, help="what to run")
+    p.add_argument("path", nargs="?", help="a model directory, for the commands that read one")
+    base = [c for c in cls.__mro__ if dataclasses.is_dataclass(c)][-1]
+    groups = {}
+    for parent, f in flag_fields(cls):
+        if parent is not None:
+            nested = {g.name: g for g in dataclasses.fields(cls)}[parent].default_factory
+            title = f"{parent} ({nested.__module__}.py)"
+        else:
+            owner = declared_by(cls, f.name)
+            where = f"{owner.__module__}.py" if owner is base else prog.removeprefix("-m ")
+            title = f"run ({where})" if owner is base else f"{owner.__name__} ({where})"
+        if title not in groups:
+            groups[title] = p.add_argument_group(title)
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if f.type in ("bool", bool):
+            groups[title].add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
+        else:
+            groups[title].add_argument(
+                flag,
+                type=FLAG_TYPES[f.type],
+                default=f.default,
+                choices=f.metadata.get("choices"),
+                metavar=f.type.split()[0].upper() if "choices" not in f.metadata else None,
+                help=help_text,
+            )
+    return p
+
+
+def parse_args(argv, cls, commands=("train", "eval"), prog="rti.py"):
+    """(command, model directory given after it or None, validated config) from the command
+    line; a bad flag exits naming it (each config's validate() words its errors as the flag).
+    The directory, if any, becomes --model (a model to evaluate)."""
+    p = build_parser(cls, commands, prog)
+    args = vars(p.parse_args(argv))
+    command = args.pop("command")
+    path = args.pop("path")
+    if path:
+        args.update(model=path, init="")
+    try:
+        cfg = make_config(cls, **args)
+        cfg.validate()
+    except ValueError as e:
+        p.error(str(e))
+    return command, path, cfg
+
+
+def can_make_folder(path: str) -> bool:
+    """Whether `path` is a folder, or one could be made there: its nearest existing ancestor is a
+    folder this process may write in."""
+    target = Path(path).absolute()
+    if target.is_dir():
+        return os.access(target, os.W_OK)
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    return not target.exists() and parent.is_dir() and os.access(parent, os.W_OK)
+
+
+# ----------------------------------------------------------------------------- progress, the log, checkpoints
+
+
+def seed_everything(seed: int, threads: int) -> None:
+    """Python's, NumPy's and torch's global generators, and torch's CPU threads."""
+    torch.set_num_threads(threads)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def silent(*args, **kwargs) -> None:
+    """The log of a process other than the first."""
+
+
+@dataclass
+class Progress:
+    """What a run has done so far, kept in its checkpoint: the steps taken, each step's
+    intervention counts (for the run's statistics) and the compute spent."""
+
+    step: int = 0
+    rti_steps: list[dict] = field(default_factory=list)
+    episodes: int = 0  # rollout episodes and RTI's continuations of corrected ones
+    generated_tokens: int = 0  # tokens the policy sampled, in every role
+    train_seconds: float = 0.0  # time in training steps, evaluations left out
+    rollout_seconds: float = 0.0  # the parts of it: sampling,
+    intervene_seconds: float = 0.0  # RTI's intervention,
+    update_seconds: float = 0.0  # and the update
+    eval_seconds: float = 0.0  # time in evaluations
+
+    def add(self, metrics: dict) -> None:
+        """Count a finished step (train_step's metrics, with "step" and "time/step")."""
+        self.step = metrics["step"]
+        self.rti_steps.append({k[4:]: v for k, v in metrics.items() if k.startswith("rti/")})
+        self.episodes += metrics["sampled_episodes"] + metrics["continued_episodes"]
+        self.generated_tokens += metrics["generated_tokens"]
+        self.train_seconds += metrics["time/step"]
+        self.rollout_seconds += metrics["time/rollout"]
+        self.intervene_seconds += metrics["time/intervene"]
+        self.update_seconds += metrics["time/update"]
+
+    def totals(self) -> dict:
+        """The compute so far, as metrics: the x-axes of a comparison at matched compute."""
+        return {
+            "total/episodes": self.episodes,
+            "total/generated_tokens": self.generated_tokens,
+            "time/train_total": self.train_seconds,
+        }
+
+
+def truncate_metrics(path: Path | None, last_step: int) -> None:
+    """Keep the metrics log's rows up to `last_step` (a fresh run keeps none)."""
+    if path is None:
+        return
+    rows = path.read_text().splitlines() if last_step and path.exists() else []
+    kept = [row for row in rows if json.loads(row)["step"] <= last_step]
+    path.write_text("".join(row + "\n" for row in kept))
+
+
+def append_metrics(path: Path | None, row: dict) -> None:
+    """One JSON row of metrics.jsonl (None: this process does not log)."""
+    if path is None:
+        return
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def log_test(path: Path | None, step: int, summary: dict) -> None:
+    """An evaluation's row of metrics.jsonl: the test metrics at `step`."""
+    append_metrics(path, {"step": step, **{f"test/{k}": v for k, v in summary.items()}})
+
+
+def save_checkpoint(backend, path, sampler, opt, task_rng, progress: Progress, cfg) -> None:
+    """Everything --resume needs to continue the run as if it had never stopped: weights,
+    optimizer, the progress, and the task order's and the sampling generators' states."""
+    state = {
+        "progress": dataclasses.asdict(progress),
+        "task_rng": task_rng.getstate(),
+        "sample_rng": sampler.gen.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "config": dataclasses.asdict(cfg),
+    }
+    backend.save_checkpoint(path, sampler, opt, state)
+
+
+def load_checkpoint(backend, path, sampler, opt, task_rng) -> Progress:
+    """Restore what save_checkpoint wrote; return the run's progress."""
+    state = backend.load_checkpoint(path, sampler, opt)
+    task_rng.setstate(state["task_rng"])
+    sampler.gen.set_state(state["sample_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    return Progress(**state["progress"])
