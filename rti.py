@@ -8,7 +8,7 @@ Read top-down: `Config` (what a run can set), `train_step` (one step: sample, in
 advantages, update), group sampling and `rollout`, the `update`, then the training loop `train`
 and `main`. Data flows one way: envs.py (tasks, rubric) -> rollout here -> intervene.py (RTI) ->
 loss.py -> AdamW. The policy (model, chat, sampler, KV-cached decoding, log-probs) is policy.py;
-the command line, metrics log and checkpoints are runtime.py. GPUs, LoRA and FSDP2
+the run's settings, command line, metrics log and checkpoints are runtime.py. GPUs, LoRA and FSDP2
 (extras/scale.py) plug in through `Backend`, the one object the loop asks where the model runs.
 """
 
@@ -45,13 +45,10 @@ from loss import (
     loss_metrics,
     policy_loss,
     require,
-    require_choices,
 )
 from policy import Chat, Sampler, load_model, pad_rows, token_logprobs
+from runtime import WARMSTART_DIR  # noqa: F401 (rti.WARMSTART_DIR: the demo's warm start)
 
-# the demo's warm start: its corrector, shown the grader's evidence, copies the path in part of
-# its rewrites (python -m extras.warmstart rebuilds it)
-WARMSTART_DIR = "checkpoints/warmstart-evidence"
 METHODS = ("grpo", "rti")
 LOSS_DENOMINATORS = ("batch", "trained")
 EVAL_SEED_OFFSET = 10_000  # evaluations sample on streams of their own, apart from training's
@@ -61,52 +58,14 @@ EVAL_SEED_OFFSET = 10_000  # evaluations sample on streams of their own, apart f
 
 
 @dataclass
-class Config:
-    """The run's settings. Every field is a flag `--field-name` (booleans also `--no-field-name`),
-    and so is every field of the nested `loss` (loss.py) and `rti` (intervene.py) configs; the help
-    text of each sits beside it, in its metadata, and `python rti.py --help` prints it."""
+class Config(runtime.RunConfig):
+    """The algorithm's settings, after the run's (runtime.RunConfig: model, seed, splits,
+    evaluations, the run folder). Every field is a flag `--field-name` (booleans also
+    `--no-field-name`), and so is every field of the nested `loss` (loss.py) and `rti`
+    (intervene.py) configs; the help text of each sits beside it, in its metadata, and
+    `python rti.py --help` prints it."""
 
-    model: str = field(
-        default="tiny",
-        metadata={
-            "help": "'tiny' builds the 0.8M-parameter Qwen3 of policy.py; a directory loads a "
-            "local Hugging Face causal LM (nothing is downloaded)"
-        },
-    )
-    init: str = field(
-        default=WARMSTART_DIR,
-        metadata={"help": "starting weights of the tiny model ('' = random, as built)"},
-    )
-    seed: int = field(
-        default=0,
-        metadata={
-            "help": "seeds the task order, every episode's sampling stream and a random model"
-        },
-    )
-    threads: int = field(default=2, metadata={"help": "torch CPU threads"})
-    env: str = field(
-        default="navigation",
-        metadata={"help": "the environment (envs.ENVS)", "choices": tuple(envs.ENVS)},
-    )
-    user_model: str = field(
-        default="",
-        metadata={
-            "help": "who plays the user in envs that have one: '' = the policy model, 'scripted', "
-            "or a local model directory"
-        },
-    )
-    train_split: str = field(
-        default="train",
-        metadata={
-            "help": "split the training tasks come from (Navigation: 'fit' leaves 'val' out)"
-        },
-    )
-    test_split: str = field(
-        default="test",
-        metadata={
-            "help": "split the evaluations run on (Navigation: 'val' while choosing settings)"
-        },
-    )
+    FLAG_GROUP = "algorithm"  # the title of its flags in --help (not a field: no annotation)
     batch_tasks: int = field(default=8, metadata={"help": "B: tasks per training step"})
     group_size: int = field(
         default=8, metadata={"help": "G: trajectories sampled per task (advantages need >= 2)"}
@@ -174,35 +133,15 @@ class Config:
         },
     )
     grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient's global norm"})
-    eval_every: int = field(
-        default=10, metadata={"help": "evaluate every N steps (0: only before and after)"}
-    )
-    eval_samples: int = field(default=4, metadata={"help": "samples per evaluation task"})
-    eval_tasks: int = field(
-        default=100,
-        metadata={"help": "evaluate on the first N tasks of --test-split (0: no evaluation)"},
-    )
-    eval_before: bool = field(default=True, metadata={"help": "evaluate the starting policy too"})
-    out: str = field(
-        default="runs/demo",
-        metadata={"help": "run directory: metrics.jsonl, results.json, ckpt.pt, model/"},
-    )
-    resume: bool = field(
-        default=False, metadata={"help": "continue the run in --out from its checkpoint"}
-    )
-    save_every: int = field(
-        default=10, metadata={"help": "write the checkpoint every N steps and at the end"}
-    )
-    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
     loss: LossConfig = field(default_factory=LossConfig)
     rti: RTIConfig = field(default_factory=RTIConfig)
 
     def validate(self) -> None:
-        """require() every field, the nested configs' too (loss.require: the message names the
-        flag). Not on construction: some checks look at the disk (--model, --init)."""
+        """The run's checks, then require() every field of the algorithm, the nested configs' too
+        (loss.require: the message names the flag)."""
+        super().validate()
         self.loss.validate()
         self.rti.validate()
-        require_choices(self)
         for name in (
             "batch_tasks",
             "max_turn_tokens",
@@ -210,12 +149,9 @@ class Config:
             "mini_batches",
             "max_sampling_rounds",
             "micro_batch",
-            "eval_samples",
-            "threads",
-            "save_every",
         ):
             require(self, name, getattr(self, name) >= 1, "must be >= 1")
-        for name in ("steps", "eval_every", "eval_tasks", "warmup_steps"):
+        for name in ("steps", "warmup_steps"):
             require(self, name, getattr(self, name) >= 0, "must be >= 0")
         for name in ("temperature", "lr", "grad_clip"):
             require(self, name, getattr(self, name) > 0, "must be > 0")
@@ -228,54 +164,11 @@ class Config:
             "must be >= --intervene-per-group",
         )
         require(
-            self,
-            "model",
-            self.model == "tiny" or (Path(self.model) / "config.json").is_file(),
-            "must be 'tiny' or a local Hugging Face model directory (one with a config.json)",
-        )
-        try:
-            splits = envs.env_class(self.env).splits()
-        except ImportError as e:
-            raise ValueError(f"--env: {e}") from None
-        for name in ("train_split", "test_split"):
-            require(
-                self,
-                name,
-                getattr(self, name) in splits,
-                f"must be a split of {self.env}: {splits}",
-            )
-        tiny_init = self.model == "tiny" and self.init
-        require(
-            self,
-            "init",
-            not tiny_init or self.env == "navigation",
-            "the tiny warm start is a Navigation model: pass --init '' (a random tiny model) "
-            "or --model PATH",
-        )
-        require(
-            self,
-            "init",
-            not tiny_init or (Path(self.init) / "config.json").is_file(),
-            "holds no checkpoint (the warm start: python -m extras.warmstart)",
-        )
-        require(
             self.loss,
             "kl_coef",
             self.loss.kl_coef == 0,
             "the KL penalty needs a reference model's log-probs and this loop loads no reference "
             "model: use --kl-coef 0 (the default, as the paper's runs)",
-        )
-        require(
-            self,
-            "out",
-            runtime.can_make_folder(self.out),
-            "cannot be a run folder here (a file is in the way, or no permission to write)",
-        )
-        require(
-            self,
-            "user_model",
-            self.user_model in ("", "scripted") or Path(self.user_model).is_dir(),
-            "must be '', 'scripted' or a local model directory",
         )
 
 
@@ -594,7 +487,7 @@ def update(
                 loss, size, figures = micro_batch_loss(
                     policy, trajs, advantages, old_logp, idx, cfg
                 )
-                share = size / max(1, total)
+                share = size / total if total else 0.0
                 (loss * share).backward()
                 mean_loss += loss.item() * share / n_steps
                 if idx:
@@ -602,7 +495,8 @@ def update(
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             opt.step()
     out = combine_metrics(metrics)
-    out["loss"] = backend.all_reduce(mean_loss)
+    # with several processes each share carries the world size (Backend.accumulation)
+    out["loss"] = backend.all_reduce(mean_loss) / backend.world
     if hasattr(grad_norm, "full_tensor"):  # a sharded (FSDP) norm
         grad_norm = grad_norm.full_tensor()
     out["grad_norm"] = float(grad_norm)

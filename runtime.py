@@ -1,5 +1,6 @@
-"""What a training run needs around the algorithm: its command line, built from the config
-dataclasses, its metrics log, its progress and the checkpoints that resume it.
+"""What a training run needs around the algorithm: its settings (`RunConfig`, which rti.Config
+extends), its command line, built from the config dataclasses, its metrics log, its progress and
+the checkpoints that resume it.
 
     cfg = make_config(rti.Config, lr=1e-4, ppl_max=1.3)      # flat flag names, nested configs
     command, path, cfg = parse_args(argv, rti.Config)      # the same from a command line
@@ -22,6 +23,136 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+import envs
+from loss import require, require_choices
+
+# the demo's warm start: its corrector, shown the grader's evidence, copies the path in part of
+# its rewrites (python -m extras.warmstart rebuilds it)
+WARMSTART_DIR = "checkpoints/warmstart-evidence"
+
+
+@dataclass
+class RunConfig:
+    """A run's settings around the algorithm: the model and where it starts, the seed, the env
+    and its splits, the evaluations, the run folder (rti.Config adds the algorithm's). Every field
+    is a flag; validate() checks them (loss.require), not on construction: some checks look at
+    the disk."""
+
+    FLAG_GROUP = "run"  # the title of its flags in --help (not a field: no annotation)
+    model: str = field(
+        default="tiny",
+        metadata={
+            "help": "'tiny' builds the 0.8M-parameter Qwen3 of policy.py; a directory loads a "
+            "local Hugging Face causal LM (nothing is downloaded)"
+        },
+    )
+    init: str = field(
+        default=WARMSTART_DIR,
+        metadata={"help": "starting weights of the tiny model ('' = random, as built)"},
+    )
+    seed: int = field(
+        default=0,
+        metadata={
+            "help": "seeds the task order, every episode's sampling stream and a random model"
+        },
+    )
+    threads: int = field(default=2, metadata={"help": "torch CPU threads"})
+    env: str = field(
+        default="navigation",
+        metadata={"help": "the environment (envs.ENVS)", "choices": tuple(envs.ENVS)},
+    )
+    user_model: str = field(
+        default="",
+        metadata={
+            "help": "who plays the user in envs that have one: '' = the policy model, 'scripted', "
+            "or a local model directory"
+        },
+    )
+    train_split: str = field(
+        default="train",
+        metadata={
+            "help": "split the training tasks come from (Navigation: 'fit' leaves 'val' out)"
+        },
+    )
+    test_split: str = field(
+        default="test",
+        metadata={
+            "help": "split the evaluations run on (Navigation: 'val' while choosing settings)"
+        },
+    )
+    eval_every: int = field(
+        default=10, metadata={"help": "evaluate every N steps (0: only before and after)"}
+    )
+    eval_samples: int = field(default=4, metadata={"help": "samples per evaluation task"})
+    eval_tasks: int = field(
+        default=100,
+        metadata={"help": "evaluate on the first N tasks of --test-split (0: no evaluation)"},
+    )
+    eval_before: bool = field(default=True, metadata={"help": "evaluate the starting policy too"})
+    out: str = field(
+        default="runs/demo",
+        metadata={"help": "run directory: metrics.jsonl, results.json, ckpt.pt, model/"},
+    )
+    resume: bool = field(
+        default=False, metadata={"help": "continue the run in --out from its checkpoint"}
+    )
+    save_every: int = field(
+        default=10, metadata={"help": "write the checkpoint every N steps and at the end"}
+    )
+    progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+
+    def validate(self) -> None:
+        """require() every field of the run (the message names the flag)."""
+        for name in ("eval_samples", "threads", "save_every"):
+            require(self, name, getattr(self, name) >= 1, "must be >= 1")
+        for name in ("eval_every", "eval_tasks"):
+            require(self, name, getattr(self, name) >= 0, "must be >= 0")
+        require_choices(self)
+        require(
+            self,
+            "model",
+            self.model == "tiny" or (Path(self.model) / "config.json").is_file(),
+            "must be 'tiny' or a local Hugging Face model directory (one with a config.json)",
+        )
+        try:
+            splits = envs.env_class(self.env).splits()
+        except ImportError as e:
+            raise ValueError(f"--env: {e}") from None
+        for name in ("train_split", "test_split"):
+            require(
+                self,
+                name,
+                getattr(self, name) in splits,
+                f"must be a split of {self.env}: {splits}",
+            )
+        tiny_init = self.model == "tiny" and self.init
+        require(
+            self,
+            "init",
+            not tiny_init or self.env == "navigation",
+            "the tiny warm start is a Navigation model: pass --init '' (a random tiny model) "
+            "or --model PATH",
+        )
+        require(
+            self,
+            "init",
+            not tiny_init or (Path(self.init) / "config.json").is_file(),
+            "holds no checkpoint (the warm start: python -m extras.warmstart)",
+        )
+        require(
+            self,
+            "out",
+            can_make_folder(self.out),
+            "cannot be a run folder here (a file is in the way, or no permission to write)",
+        )
+        require(
+            self,
+            "user_model",
+            self.user_model in ("", "scripted") or Path(self.user_model).is_dir(),
+            "must be '', 'scripted' or a local model directory",
+        )
+
 
 # ----------------------------------------------------------------------------- the command line
 
@@ -76,7 +207,7 @@ def declared_by(cls, name: str) -> type:
 
 def build_parser(cls, commands=("train", "eval"), prog="rti.py") -> argparse.ArgumentParser:
     """The command line of a config class: a flag per field, with the help text and choices of
-    the field's metadata, grouped by the config that declares it (the base config's as "run");
+    the field's metadata, grouped by the config class that declares it (its FLAG_GROUP, or name);
     the description is the first line of the docstring of the module that defines `cls`."""
     module = sys.modules[cls.__module__]
     p = argparse.ArgumentParser(
@@ -87,7 +218,6 @@ def build_parser(cls, commands=("train", "eval"), prog="rti.py") -> argparse.Arg
     )
     p.add_argument("command", nargs="?", default=commands[0], choices=commands, help="what to run")
     p.add_argument("path", nargs="?", help="a model directory, for the commands that read one")
-    base = [c for c in cls.__mro__ if dataclasses.is_dataclass(c)][-1]
     groups = {}
     for parent, f in flag_fields(cls):
         if parent is not None:
@@ -95,8 +225,8 @@ def build_parser(cls, commands=("train", "eval"), prog="rti.py") -> argparse.Arg
             title = f"{parent} ({nested.__module__}.py)"
         else:
             owner = declared_by(cls, f.name)
-            where = f"{owner.__module__}.py" if owner is base else prog.removeprefix("-m ")
-            title = f"run ({where})" if owner is base else f"{owner.__name__} ({where})"
+            where = f"{owner.__module__}.py" if owner.__module__ in ("runtime", "rti") else prog
+            title = f"{vars(owner).get('FLAG_GROUP', owner.__name__)} ({where.removeprefix('-m ')})"
         if title not in groups:
             groups[title] = p.add_argument_group(title)
         flag = "--" + f.name.replace("_", "-")

@@ -291,6 +291,16 @@ class ScaleBackend(rti.Backend):
             return x
         return fsdp.all_reduce(x, op)
 
+    def accumulation(self, total: float, micro_batches: list[list[int]]) -> tuple:
+        """The global mini-batch across processes: its loss denominator (tokens or rows summed over
+        the processes) over the world size, as FSDP averages the processes' gradients, and as many
+        micro-batches here as the busiest process runs (empty ones, for the collectives)."""
+        if self.world == 1:
+            return total, micro_batches
+        busiest = int(self.all_reduce(len(micro_batches), "max"))
+        empty = [[] for _ in range(busiest - len(micro_batches))]
+        return self.all_reduce(total) / self.world, micro_batches + empty
+
     def gather(self, obj) -> list:
         """[obj of process 0, obj of process 1, ...] on every process."""
         if self.world == 1:

@@ -17,8 +17,8 @@ CORE = {
     "envs": 0,
     "loss": 0,
     "evaluate": 0,
-    "runtime": 0,
     "intervene": 1,
+    "runtime": 1,
     "policy": 2,
     "rti": 3,
 }  # level: a module imports lower levels only

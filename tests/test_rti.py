@@ -355,7 +355,6 @@ def test_in_the_demo_regime_the_corrector_leaks_and_the_post_check_rejects_it():
 @pytest.mark.slow
 def test_warm_start_lowers_its_loss(tmp_path):
     cfg = runtime.make_config(
-        rti.Config,
         warmstart.WarmStartConfig,
         ws_steps=40,
         ws_batch=8,
