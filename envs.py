@@ -33,7 +33,9 @@ leg: `route`, then follow it) on this grid: '#' wall, 'S' start, 'A' and 'B' way
 
 `python envs.py` prints a sample task, its render and the split table. The audit (does every hint
 name an action the agent's context shows? how far do learning-free walkers get?) is in
-extras/audit.py: `python -m extras.audit`.
+extras/audit.py: `python -m extras.audit [--env navigation-keys]`. "navigation-keys"
+(extras/navigation_keys.py) is Navigation plus a task family beyond the warm start's skills: a
+locked door on the way and a key that only the `find key` tool locates.
 
 `ENVS` at the end of the file is the one plug-in point between this core and the optional `extras/`
 folder: an env name maps to a class, or to "module:Class" imported on first use (the tau2-bench
@@ -48,6 +50,7 @@ import random
 import string
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 # the tool calls, as the agent writes them
 ACTIONS = ("move up", "move down", "move left", "move right", "route", "finish")
@@ -190,6 +193,7 @@ class NavTask:
     start: list[int]
     waypoints: list[list[int]]
     max_turns: int
+    ENV: ClassVar[str] = "navigation"  # the env (ENVS) that plays the task: envs.player
 
     def __post_init__(self):
         def need(ok, msg):
@@ -235,9 +239,10 @@ def _moved(pos, action: str) -> tuple[int, int]:
     return (pos[0] + dr, pos[1] + dc)
 
 
-def bfs_distances(task: NavTask, goal) -> dict[tuple[int, int], int]:
-    """Shortest move count from every reachable cell to `goal` (walls and edges block)."""
-    walls = {tuple(w) for w in task.walls}
+def bfs_distances(task: NavTask, goal, blocked=()) -> dict[tuple[int, int], int]:
+    """Shortest move count from every reachable cell to `goal` (walls, edges and the cells of
+    `blocked`, e.g. locked doors, block)."""
+    walls = {tuple(w) for w in task.walls} | {tuple(b) for b in blocked}
     goal = tuple(goal)
     dist = {goal: 0}
     queue = deque([goal])
@@ -254,8 +259,9 @@ def bfs_distances(task: NavTask, goal) -> dict[tuple[int, int], int]:
 
 def optimal_actions(task: NavTask) -> list[str]:
     """The oracle's episode: each leg `route`, then the route's moves (ties broken in ACTIONS
-    order); then `finish`."""
-    env = Navigation(replace(task, max_turns=MAX_NUMBER))  # the task's own limit must not cut it
+    order); then `finish`. The task is played by its own env (player(task)), so the oracle of a
+    family with more tools (extras/navigation_keys.py) takes them too."""
+    env = player(task)(replace(task, max_turns=MAX_NUMBER))  # the task's own limit must not cut it
     while not env.done:
         env.step(env.optimal_action())
     return env.actions
@@ -416,6 +422,8 @@ class Navigation(Env):
     State besides the Env attributes: `pos`, `path` (positions: start, then after each turn),
     `visited` (waypoints reached), `route` (remaining directions held), `wall_hits`, `finished_at`
     (position at `finish`, or None)."""
+
+    TOOL_CALLS = ACTIONS  # the tool calls of this env, as the agent writes them
 
     def __init__(self, task: NavTask):
         self.task = task
@@ -654,9 +662,15 @@ class Navigation(Env):
         return list(dict.fromkeys(words + list(SEPARATORS) + list(LABELS) + numbers))
 
 
+def player(task: NavTask) -> type[Navigation]:
+    """The env class that plays `task`: the one its class names (NavTask.ENV, through ENVS)."""
+    return env_class(task.ENV)
+
+
 def run_actions(task: NavTask, actions: list[str]) -> Navigation:
-    """A fresh episode of `task` with `actions` applied; any after the episode ends are ignored."""
-    env = Navigation(task)
+    """A fresh episode of `task` (played by player(task)) with `actions` applied; any after the
+    episode ends are ignored."""
+    env = player(task)(task)
     for a in actions:
         if not env.done:
             env.step(a)
@@ -665,8 +679,8 @@ def run_actions(task: NavTask, actions: list[str]) -> Navigation:
 
 def render(task: NavTask, path=None) -> str:
     """ASCII grid with row and column numbers: '#' wall, 'S' start, 'A'..'F' waypoints, '*' path
-    cells, '.' free. `path` is a list of [row, col] positions or of actions (replayed from the
-    start); the module docstring shows one."""
+    cells, '.' free; on a KeyTask 'd' its doors and 'k' their keys. `path` is a list of [row, col]
+    positions or of actions (replayed from the start); the module docstring shows one."""
     if path and isinstance(path[0], str):
         path = run_actions(task, path).path
     grid = [["."] * task.width for _ in range(task.height)]
@@ -674,6 +688,10 @@ def render(task: NavTask, path=None) -> str:
         grid[r][c] = "*"
     for r, c in task.walls:
         grid[r][c] = "#"
+    for r, c in getattr(task, "doors", []):
+        grid[r][c] = "d"
+    for r, c in getattr(task, "keys", []):
+        grid[r][c] = "k"
     grid[task.start[0]][task.start[1]] = "S"
     for label, (r, c) in zip(LABELS, task.waypoints):
         grid[r][c] = label
@@ -686,6 +704,7 @@ def render(task: NavTask, path=None) -> str:
 # name -> Env class, or "module:Class" of an optional env, imported on first use by env_class()
 ENVS: dict[str, type[Env] | str] = {
     "navigation": Navigation,
+    "navigation-keys": "extras.navigation_keys:KeyNavigation",
     "tau2-telecom": "extras.tau2:Tau2Telecom",
     "tau2-airline": "extras.tau2:Tau2Airline",
     "tau2-retail": "extras.tau2:Tau2Retail",

@@ -77,6 +77,15 @@ def summarize(successes: list[list[bool]], k_max: int = K_MAX) -> dict[str, floa
     return out
 
 
+def summarize_by(groups: list[str], successes: list[list[bool]], k_max: int = K_MAX) -> dict:
+    """summarize() of each group's tasks, groups[i] naming task i's (e.g. its family), in order of
+    first appearance: {"plain": {...}, "keys": {...}}."""
+    parts: dict[str, list] = {}
+    for group, task_successes in zip(groups, successes, strict=True):
+        parts.setdefault(group, []).append(task_successes)
+    return {group: summarize(part, k_max) for group, part in parts.items()}
+
+
 def format_table(rows: dict[str, dict[str, float]]) -> str:
     """Markdown table, one row per method, in the paper's column order (p@1, avg p@k, avg p^k,
     then pass@1..4, pass^1..4); only columns some row has; 2 decimals, '-' where missing.

@@ -617,8 +617,9 @@ class Backend:
 
 def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
     """The training loop: `cfg.steps` calls of train_step, with evaluations, a metrics log and
-    checkpoints. Returns the test metrics {"before", "after"} (evaluate.summarize), the run's
-    intervention statistics and the policy ("sampler"). With several processes each runs it on its
+    checkpoints. Returns the test metrics {"before", "after"} (evaluate.summarize; with
+    --ood-split also "before_ood", "after_ood"), the run's intervention statistics and the policy
+    ("sampler"). With several processes each runs it on its
     share of every batch; process 0 logs and writes."""
     cfg.validate()  # the command line's errors for a config built in Python (make_config)
     backend = backend or Backend()
@@ -636,6 +637,7 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     train_tasks = envs.env_tasks(cfg.env, cfg.train_split)
     test_tasks = envs.env_tasks(cfg.env, cfg.test_split)[: cfg.eval_tasks]
+    ood_tasks = envs.env_tasks(cfg.env, cfg.ood_split)[: cfg.eval_tasks] if cfg.ood_split else []
     task_rng = random.Random(cfg.seed)
 
     def draw_tasks() -> list:
@@ -656,6 +658,9 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
             )
             log(f"before training: test p@1 {results['before']['p@1']:.2f}")
             runtime.log_test(metrics_path, 0, results["before"])
+            if ood_tasks:
+                results["before_ood"] = run_test(backend, policy, ood_tasks, cfg, progress)[0]
+                runtime.log_test(metrics_path, 0, results["before_ood"], "ood")
 
     bar = tqdm(
         range(progress.step, cfg.steps),
@@ -692,6 +697,9 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
             backend, policy, test_tasks, cfg, progress
         )
         runtime.log_test(metrics_path, cfg.steps, results["after"])
+        if ood_tasks:
+            results["after_ood"] = run_test(backend, policy, ood_tasks, cfg, progress)[0]
+            runtime.log_test(metrics_path, cfg.steps, results["after_ood"], "ood")
     results["seconds"] = {
         "evaluation": progress.eval_seconds,
         "rollout": progress.rollout_seconds,
@@ -736,12 +744,21 @@ def learning_rate(step: int, cfg: Config) -> float:
 
 
 def run_test(backend: Backend, policy: Sampler, tasks: list, cfg: Config, progress):
-    """(summary, per-task successes) on the test tasks, on evaluation streams of their own; the
-    time it takes goes to progress.eval_seconds."""
+    """(summary, per-task successes) on `tasks`, on evaluation streams of their own; a split that
+    mixes task families (a task's `family`) adds each family's figures ("keys/p@1", ...). The time it
+    takes goes to progress.eval_seconds."""
     start = time.time()
-    result = backend.evaluate(policy, tasks, cfg.eval_samples, cfg.seed + EVAL_SEED_OFFSET)
+    summary, successes = backend.evaluate(
+        policy, tasks, cfg.eval_samples, cfg.seed + EVAL_SEED_OFFSET
+    )
+    families = [getattr(task, "family", "") for task in tasks]
+    if len(set(families)) > 1:  # a split that mixes task families: each one's figures too
+        by_family = evaluate.summarize_by(
+            families, successes, min(evaluate.K_MAX, cfg.eval_samples)
+        )
+        summary.update({f"{f}/{k}": v for f, part in by_family.items() for k, v in part.items()})
     progress.eval_seconds += time.time() - start
-    return result
+    return summary, successes
 
 
 # ----------------------------------------------------------------------------- commands
@@ -749,8 +766,20 @@ def run_test(backend: Backend, policy: Sampler, tasks: list, cfg: Config, progre
 
 def report(cfg: Config, res: dict, seconds: float) -> str:
     """The demo's printout: the before/after table and the run's intervention statistics."""
-    names = {"before": "warm start", "after": f"after {cfg.steps} steps"}
-    rows = {names[k]: res[k] for k in ("before", "after") if k in res}
+    names = {
+        "before": "warm start",
+        "after": f"after {cfg.steps} steps",
+        "before_ood": f"warm start, {cfg.ood_split}",
+        "after_ood": f"after {cfg.steps} steps, {cfg.ood_split}",
+    }
+    rows = {}
+    for key, name in names.items():
+        summary = res.get(key, {})
+        if summary:
+            rows[name] = summary
+        for family in dict.fromkeys(k.split("/")[0] for k in summary if "/" in k):
+            part = {k.split("/", 1)[1]: v for k, v in summary.items() if k.startswith(family + "/")}
+            rows[f"{name}, {family} tasks"] = part
     lines = []
     if rows:
         lines.append(

@@ -89,6 +89,13 @@ class RunConfig:
         default=100,
         metadata={"help": "evaluate on the first N tasks of --test-split (0: no evaluation)"},
     )
+    ood_split: str = field(
+        default="",
+        metadata={
+            "help": "a split evaluated before and after training as --test-split is, for tasks "
+            "unlike training's (navigation-keys: 'ood'); '' = none"
+        },
+    )
     eval_before: bool = field(default=True, metadata={"help": "evaluate the starting policy too"})
     out: str = field(
         default="runs/demo",
@@ -126,19 +133,27 @@ class RunConfig:
                 getattr(self, name) in splits,
                 f"must be a split of {self.env}: {splits}",
             )
-        tiny_init = self.model == "tiny" and self.init
         require(
             self,
-            "init",
-            not tiny_init or self.env == "navigation",
-            "the tiny warm start is a Navigation model: pass --init '' (a random tiny model) "
-            "or --model PATH",
+            "ood_split",
+            self.ood_split in ["", *splits],
+            f"must be '' or a split of {self.env}: {splits}",
         )
+        tiny_init = self.model == "tiny" and self.init
         require(
             self,
             "init",
             not tiny_init or (Path(self.init) / "config.json").is_file(),
             "holds no checkpoint (the warm start: python -m extras.warmstart)",
+        )
+        missing = unknown_words(self.init, envs.env_class(self.env)) if tiny_init else []
+        require(
+            self,
+            "init",
+            not missing,
+            f"its tokenizer lacks words of --env {self.env} ({' '.join(missing[:5])} ...): pass "
+            f"a warm start built for it (python -m extras.warmstart --env {self.env} --ws-out DIR), "
+            "--init '' (a random tiny model) or --model PATH",
         )
         require(
             self,
@@ -265,6 +280,15 @@ def parse_args(argv, cls, commands=("train", "eval"), prog="rti.py"):
     return command, path, cfg
 
 
+def unknown_words(folder: str, env_cls) -> list[str]:
+    """The words of the env's vocabulary that the tiny model saved in `folder` has no token for
+    (its word-level tokenizer.json; every word when there is none)."""
+    path = Path(folder) / "tokenizer.json"
+    vocab = json.loads(path.read_text())["model"].get("vocab", {}) if path.is_file() else {}
+    words = env_cls.vocabulary() if hasattr(env_cls, "vocabulary") else []
+    return [w for w in words if w not in vocab]
+
+
 def can_make_folder(path: str) -> bool:
     """Whether `path` is a folder, or one could be made there: its nearest existing ancestor is a
     folder this process may write in."""
@@ -344,9 +368,9 @@ def append_metrics(path: Path | None, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def log_test(path: Path | None, step: int, summary: dict) -> None:
-    """An evaluation's row of metrics.jsonl: the test metrics at `step`."""
-    append_metrics(path, {"step": step, **{f"test/{k}": v for k, v in summary.items()}})
+def log_test(path: Path | None, step: int, summary: dict, split: str = "test") -> None:
+    """An evaluation's row of metrics.jsonl: the metrics on the test split (or "ood") at `step`."""
+    append_metrics(path, {"step": step, **{f"{split}/{k}": v for k, v in summary.items()}})
 
 
 def save_checkpoint(backend, path, sampler, opt, task_rng, progress: Progress, cfg) -> None:

@@ -229,6 +229,30 @@ def compute_table(logs: dict, seeds: list[int], methods) -> list[str]:
     return lines
 
 
+def split_table(results: dict, seeds: list[int]) -> list[str]:
+    """Every method's final p@1 on the test split, on each task family of it and on the OOD split
+    (--ood-split), mean over seeds with each seed's in brackets; [] when the runs have neither
+    families nor an OOD split."""
+    first = next(iter(results.values()))
+    columns = [("after", "p@1", "test")]
+    columns += [("after", k, f"test, {k.split('/')[0]}") for k in first["after"] if "/p@1" in k]
+    columns += [("after_ood", "p@1", "ood")] if "after_ood" in first else []
+    if len(columns) == 1:
+        return []
+    lines = [
+        "| method | " + " | ".join(title for *_, title in columns) + " |",
+        "|" + " --- |" * (len(columns) + 1),
+    ]
+    for name in methods_of(results):
+        cells = []
+        for part, key, _ in columns:
+            values = [results[(name, s)][part][key] for s in seeds]
+            each = ", ".join(f"{v:.2f}" for v in values)
+            cells.append(f"{mean_std(values)[0]:.2f} ({each})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def write_report(
     results: dict,
     warm: tuple,
@@ -274,6 +298,9 @@ def write_report(
     for name in methods_of(results):
         std = f"{spread[name]:.2f}" if len(seeds) > 1 else "-"
         lines.append(f"| {name} | {std} | {never[name]:.1f} |")
+    by_split = split_table(results, seeds)
+    if by_split:
+        lines += ["", "p@1 after training by split and task family, mean (seeds):", "", *by_split]
     gap = []
     if has_grpo_and_rti(methods_of(results)):
         gap = [

@@ -47,8 +47,14 @@ from policy import Chat, Sampler, load_model, pad_rows
 
 @dataclass
 class WarmStartConfig(rti.Config):
-    """rti.Config (model, seed, threads, grad_clip, progress; the `report` command's sampling and
-    evaluation flags) plus the warm start's flags; every field is a flag."""
+    """rti.Config (model, seed, threads, grad_clip, progress, env: whose vocabulary the tiny
+    tokenizer holds; the `report` command's sampling and evaluation flags) plus the warm start's
+    flags; every field is a flag."""
+
+    init: str = field(
+        default="",
+        metadata={"help": "unused: the warm start trains a tiny model from its random weights"},
+    )
 
     ws_split: str = field(
         default="easy",
@@ -201,8 +207,8 @@ def warmstart(cfg: WarmStartConfig, log=print):
     """Supervised warm start on optimal `easy` trajectories: weighted next-token cross-entropy
     sum_t w_t CE_t / sum_t w_t (teacher_sequence's weights); saves model + tokenizer to
     cfg.ws_out."""
-    model, tok = load_model(cfg.model, cfg.seed)
-    chat = Chat(tok)
+    model, tok = load_model(cfg.model, cfg.seed, env=cfg.env)
+    chat = Chat(tok, cfg.env)
     tasks = envs.make_tasks(cfg.ws_split)
     rng = random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.ws_lr, weight_decay=0.0)
@@ -277,7 +283,7 @@ def tool_use(trajs) -> dict:
     valid = {True: 0, False: 0}  # holding a route -> actions that pass the step check
     taken = {True: 0, False: 0}  # holding a route -> actions
     for t in trajs:
-        env = envs.Navigation(t.task)
+        env = envs.player(t.task)(t.task)
         legs_with_a_call = set()
         for action in t.actions:
             holding = bool(env.route)
@@ -303,9 +309,17 @@ def report(cfg: WarmStartConfig, model_dir: str, log=print) -> dict:
     --eval-samples), the share of --group-size-sample groups on --train-split with no success
     (--batch-tasks tasks), and how it uses the route tool on both."""
     model, tok = load_model(model_dir, cfg.seed)
-    sampler = Sampler(model, tok, cfg.temperature, cfg.top_p, cfg.max_turn_tokens, cfg.seed)
-    test_tasks = envs.Navigation.tasks(cfg.test_split)[: cfg.eval_tasks]
-    train_tasks = envs.Navigation.tasks(cfg.train_split)[: cfg.batch_tasks]
+    sampler = Sampler(
+        model,
+        tok,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_turn_tokens=cfg.max_turn_tokens,
+        seed=cfg.seed,
+        env=cfg.env,
+    )
+    test_tasks = envs.env_tasks(cfg.env, cfg.test_split)[: cfg.eval_tasks]
+    train_tasks = envs.env_tasks(cfg.env, cfg.train_split)[: cfg.batch_tasks]
     with torch.no_grad():
         test = rti.rollout(sampler, test_tasks, cfg.eval_samples, 1234)
         train = rti.rollout(sampler, train_tasks, cfg.group_size, 99)

@@ -101,3 +101,15 @@ def test_docstring_examples():
     import doctest
 
     assert doctest.testmod(evaluate).failed == 0
+
+
+def test_summarize_by_groups_tasks_in_order_of_first_appearance():
+    """Each group's figures are summarize() of its own tasks: the 'keys' tasks solve 1 of 2 and 0 of
+    2 samples (p@1 25), the 'plain' one 2 of 2 (100)."""
+    successes = [[True, False], [True, True], [False, False]]
+    out = evaluate.summarize_by(["keys", "plain", "keys"], successes, k_max=2)
+    assert list(out) == ["keys", "plain"]
+    assert out["keys"] == summarize([[True, False], [False, False]], k_max=2)
+    assert out["keys"]["p@1"] == 25.0 and out["plain"]["p@1"] == 100.0
+    with pytest.raises(ValueError):
+        evaluate.summarize_by(["keys"], successes)  # a group for every task

@@ -38,6 +38,7 @@ CONFIG_FREE_FORM = {  # rti.Config's, in every parser runtime.build_parser build
     "user_model": "'', 'scripted' or any model directory",
     "train_split": "the env's split names; tau2's come from the tau2 package",
     "test_split": "the env's split names; tau2's come from the tau2 package",
+    "ood_split": "the env's split names, or ''",
     "out": "any run directory",
     "path": "the model directory to evaluate",
 }
@@ -430,3 +431,27 @@ def test_equal_episodes_reads_runs_of_several_comparisons(tmp_path):
     assert f"Command: `{command} --seeds 0 --out {out}`" in table[0]
     with pytest.raises(SystemExit, match=r"for every seed \[0, 1\]"):
         compare.main(["--equal-episodes", str(tmp_path / "a"), "--seeds", "0", "1"])
+
+
+def test_the_report_gives_each_family_and_the_ood_split_per_seed():
+    """Runs with task families and an OOD split: one row a method, the test split, each family and
+    the OOD split, mean over seeds with each seed's value; runs with neither add no table."""
+
+    def run(p1, keys, ood):
+        return {
+            "after": {"p@1": p1, "plain/p@1": p1 + 5, "keys/p@1": keys},
+            "after_ood": {"p@1": ood},
+        }
+
+    results = {("GRPO", 0): run(50, 10, 4), ("GRPO", 1): run(60, 30, 6), ("RTI", 0): run(70, 50, 8)}
+    results[("RTI", 1)] = run(80, 70, 12)
+    lines = compare_report.split_table(results, [0, 1])
+    assert lines[0] == "| method | test | test, plain | test, keys | ood |"
+    assert (
+        lines[2]
+        == "| GRPO | 55.00 (50.00, 60.00) | 60.00 (55.00, 65.00) | 20.00 (10.00, 30.00) | 5.00 (4.00, 6.00) |"
+    )
+    assert lines[3].startswith("| RTI | 75.00 (70.00, 80.00) |") and lines[3].endswith(
+        "| 10.00 (8.00, 12.00) |"
+    )
+    assert compare_report.split_table({("GRPO", 0): {"after": {"p@1": 1.0}}}, [0]) == []

@@ -690,3 +690,41 @@ def test_without_dynamic_sampling_one_round_keeps_every_group(monkeypatch):
     cfg = runtime.make_config(rti.Config, method="grpo", group_size=2)
     trajs, metrics = rti.sample_batch(ScriptedSampler(), ["a", "b"], cfg, 0)
     assert metrics["sampling_rounds"] == 1 and len(trajs) == 4 and metrics["batch_groups"] == 2
+
+
+def test_a_mixed_family_split_reports_each_family_and_the_ood_split(tmp_path):
+    """navigation-keys from a random tiny model of its vocabulary: the test split's figures come
+    for each task family too ("keys/p@1", "plain/p@1"), and --ood-split is evaluated before and
+    after training, in the results, the metrics log and the report's table."""
+    cfg = small_cfg(
+        tmp_path,
+        env="navigation-keys",
+        train_split="fit",
+        eval_tasks=8,
+        eval_samples=1,
+        ood_split="ood",
+        batch_tasks=1,
+        group_size=2,
+        max_turn_tokens=2,
+    )
+    res = rti.train(cfg, log=runtime.silent)
+    families = {t.family for t in envs.env_tasks("navigation-keys", "test")[:8]}
+    assert families == {"plain", "keys"}
+    for key in ("before", "after"):
+        assert {"p@1", "plain/p@1", "keys/p@1"} <= set(res[key])
+        assert "p@1" in res[f"{key}_ood"] and "keys/p@1" not in res[f"{key}_ood"]  # one family
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows if "ood/p@1" in r] == [0, 1]
+    table = rti.report(cfg, res, 1.0)
+    assert "| warm start, keys tasks |" in table and "| after 1 steps, ood |" in table
+
+
+def test_a_warm_start_without_the_envs_words_is_refused_naming_them(capsys):
+    """The committed warm start's tokenizer has no `find`, `key`, ...: --env navigation-keys with
+    it stops at the flag, naming the words and how to build a warm start for the env."""
+    with pytest.raises(SystemExit):
+        runtime.parse_args(["--env", "navigation-keys"], rti.Config)
+    err = capsys.readouterr().err
+    assert "--init: its tokenizer lacks words of --env navigation-keys (find" in err
+    assert "python -m extras.warmstart --env navigation-keys" in err
+    runtime.parse_args(["--env", "navigation-keys", "--init", ""], rti.Config)  # a random model
