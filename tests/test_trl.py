@@ -17,6 +17,7 @@ pytest.importorskip(
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import envs  # noqa: E402
+import evaluate  # noqa: E402
 from extras import trl_rti  # noqa: E402   (core names come through trl_rti's "core names" block)
 from loss import INTERVENED, POLICY  # noqa: E402
 
@@ -220,6 +221,13 @@ def test_rti_trainer_intervened_tokens_reach_the_loss(rti_run):
     assert log["rti/intervened_frac"] > 0 and math.isfinite(log["loss"])
     assert log["rti/success_before"] == 0 and log["reward"] > 0
     assert changed(before, model)
+    # the report's reweighting figures come from the loss, where they are made
+    totals = evaluate.run_totals(trainer.rti_stats)
+    assert 0 < totals["intervened_tokens"] < totals["trained_tokens"]
+    assert (
+        "trained intervened tokens (the reweighting's): 0 / 0"
+        not in evaluate.intervention_report(totals)
+    )
 
 
 @pytest.mark.slow
