@@ -751,14 +751,19 @@ def run_test(backend: Backend, policy: Sampler, tasks: list, cfg: Config, progre
     summary, successes = backend.evaluate(
         policy, tasks, cfg.eval_samples, cfg.seed + EVAL_SEED_OFFSET
     )
-    families = [getattr(task, "family", "") for task in tasks]
-    if len(set(families)) > 1:  # a split that mixes task families: each one's figures too
-        by_family = evaluate.summarize_by(
-            families, successes, min(evaluate.K_MAX, cfg.eval_samples)
-        )
-        summary.update({f"{f}/{k}": v for f, part in by_family.items() for k, v in part.items()})
     progress.eval_seconds += time.time() - start
-    return summary, successes
+    return with_families(summary, tasks, successes), successes
+
+
+def with_families(summary: dict, tasks: list, successes: list[list[bool]]) -> dict:
+    """`summary` plus each task family's figures ("keys/p@1", ...) when `tasks` mix families (a
+    task's `family`, as navigation-keys' have)."""
+    families = [getattr(task, "family", "") for task in tasks]
+    if len(set(families)) < 2:
+        return summary
+    k_max = min(evaluate.K_MAX, len(successes[0]))
+    by_family = evaluate.summarize_by(families, successes, k_max)
+    return {**summary, **{f"{f}/{k}": v for f, part in by_family.items() for k, v in part.items()}}
 
 
 # ----------------------------------------------------------------------------- commands
@@ -772,21 +777,14 @@ def report(cfg: Config, res: dict, seconds: float) -> str:
         "before_ood": f"warm start, {cfg.ood_split}",
         "after_ood": f"after {cfg.steps} steps, {cfg.ood_split}",
     }
-    rows = {}
-    for key, name in names.items():
-        summary = res.get(key, {})
-        if summary:
-            rows[name] = summary
-        for family in dict.fromkeys(k.split("/")[0] for k in summary if "/" in k):
-            part = {k.split("/", 1)[1]: v for k, v in summary.items() if k.startswith(family + "/")}
-            rows[f"{name}, {family} tasks"] = part
+    rows = {names[k]: res[k] for k in names if k in res}
     lines = []
     if rows:
         lines.append(
             f"\n{cfg.method} on the {cfg.test_split} split "
             f"({cfg.eval_tasks} tasks x {cfg.eval_samples} samples):"
         )
-        lines.append(evaluate.format_table(rows))
+        lines.append(report_table(rows))
     if "interventions" in res:
         statistics = evaluate.intervention_report(res["interventions"])
         lines.append(f"\ninterventions over the run:\n{statistics}")
@@ -799,12 +797,24 @@ def report(cfg: Config, res: dict, seconds: float) -> str:
     return "\n".join(lines)
 
 
+def report_table(rows: dict[str, dict]) -> str:
+    """evaluate.format_table of `rows`, each followed by a row per task family it has figures of
+    ("keys/p@1", ...: with_families)."""
+    table = {}
+    for name, summary in rows.items():
+        table[name] = summary
+        for family in dict.fromkeys(k.split("/")[0] for k in summary if "/" in k):
+            part = {k.split("/", 1)[1]: v for k, v in summary.items() if k.startswith(family + "/")}
+            table[f"{name}, {family} tasks"] = part
+    return evaluate.format_table(table)
+
+
 def eval_table(cfg: Config, backend: Backend) -> str:
     """pass@1..4 and pass^1..4 of --model on the first --eval-tasks tasks of --test-split."""
     policy = init_policy(cfg, backend)
     tasks = envs.env_tasks(cfg.env, cfg.test_split)[: cfg.eval_tasks]
-    summary = evaluate_policy(policy, tasks, cfg.eval_samples, seed=cfg.seed)
-    return evaluate.format_table({cfg.model: summary})
+    summary, successes = evaluate_policy(policy, tasks, cfg.eval_samples, cfg.seed, per_task=True)
+    return report_table({cfg.model: with_families(summary, tasks, successes)})
 
 
 def build_parser():
