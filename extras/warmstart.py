@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+from transformers.utils import logging as transformers_logging
 
 import envs
 import intervene
@@ -218,6 +219,8 @@ def warmstart(cfg: WarmStartConfig, log=print):
     t0 = time.time()
     losses = []
     batches = []
+    if not cfg.progress:
+        transformers_logging.disable_progress_bar()  # its "Writing model shards" bar
     bar = tqdm(range(cfg.ws_steps), desc="warm start", disable=not cfg.progress, file=sys.stderr)
     for step in bar:
         if not batches:
