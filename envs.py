@@ -424,6 +424,8 @@ class Navigation(Env):
     (position at `finish`, or None)."""
 
     TOOL_CALLS = ACTIONS  # the tool calls of this env, as the agent writes them
+    OUTCOME_TEXTS = OUTCOMES  # what an action did, by name (a subclass adds its own)
+    WHY_TEXTS = WHY  # why check_step refuses an action, by name (a subclass adds its own)
 
     def __init__(self, task: NavTask):
         self.task = task
@@ -519,23 +521,7 @@ class Navigation(Env):
             return OUTCOMES["over"] + self._state(), True
         self.actions.append(action)
         self.turns += 1
-        a = action.strip() if isinstance(action, str) else None
-        outcome = ""
-        if a == "finish":
-            self.done = True
-            self.finished_at = self.pos
-            outcome = OUTCOMES["finish"]
-        elif a == "route":
-            self.route = self._route()
-        elif a in MOVES:
-            hit = self.blocked(self.pos, a)
-            if hit:
-                self.wall_hits += 1
-                outcome = OUTCOMES[hit]
-            else:
-                self._move(a)
-        else:
-            outcome = OUTCOMES["unknown"]
+        outcome = self._act(action.strip() if isinstance(action, str) else None)
         obs = outcome + self._state()
         if not self.done and self.turns >= self.task.max_turns:
             self.done = True
@@ -543,6 +529,25 @@ class Navigation(Env):
         self.observations.append(obs)
         self.path.append(self.pos)
         return obs, self.done
+
+    def _act(self, a: str | None) -> str:
+        """Execute action `a` (stripped); return what it did, as the observation's opening ('' for
+        a move or `route` that worked). A subclass with tools of its own handles them here."""
+        if a == "finish":
+            self.done = True
+            self.finished_at = self.pos
+            return self.OUTCOME_TEXTS["finish"]
+        if a == "route":
+            self.route = self._route()
+            return ""
+        if a in MOVES:
+            hit = self.blocked(self.pos, a)
+            if hit:
+                self.wall_hits += 1
+                return self.OUTCOME_TEXTS[hit]
+            self._move(a)
+            return ""
+        return self.OUTCOME_TEXTS["unknown"]
 
     def _move(self, move: str) -> None:
         """Take a possible move: following the held route shortens it, any other move drops it, and
@@ -606,7 +611,7 @@ class Navigation(Env):
         hit = self.blocked(self.pos, a) if a in MOVES else ""
         if self.done:
             why = WHY["over"]
-        elif a not in ACTIONS:
+        elif a not in self.TOOL_CALLS:
             why = WHY["unknown"]
         elif self.at_end():
             if a == "finish":
@@ -617,12 +622,12 @@ class Navigation(Env):
                 why = WHY["early"]
             else:
                 why = WHY["early away"].format(label=LABELS[len(self._points) - 1])
-        elif a == "route":
-            if not self.route:
+        elif a not in MOVES:  # a tool: `route`, or a subclass's own
+            why = self._tool_why(a)
+            if why is None:
                 return StepCheck(True)
-            why = WHY["repeat"]
         elif hit:
-            why = WHY[hit].format(action=a)
+            why = self.WHY_TEXTS[hit].format(action=a)
         elif self.route:
             if a == f"move {self.route[0]}":
                 return StepCheck(True)
@@ -632,6 +637,11 @@ class Navigation(Env):
         else:
             why = WHY["off path"].format(action=a)
         return StepCheck(False, REASON.format(why=why, hint=self.hint()))
+
+    def _tool_why(self, a: str) -> str | None:
+        """Why check_step refuses the tool call `a` here, or None when it is valid: `route` while a
+        route is held is a repeat."""
+        return WHY["repeat"] if self.route else None
 
     def rubric_text(self) -> str:
         return RUBRIC.format(

@@ -30,13 +30,10 @@ from envs import (
     CARVED,
     EVIDENCE,
     HELD_ROUTE,
-    LABELS,
     MAX_NUMBER,
     MOVES,
     NOTHING_BLOCKED,
-    OUT_OF_TURNS,
     OUTCOMES,
-    REASON,
     SEED_STRIDE,
     SEPARATORS,
     STATE,
@@ -44,7 +41,6 @@ from envs import (
     Navigation,
     NavTask,
     SplitSpec,
-    StepCheck,
     _cell_words,
     _is_cell,
     _literal_words,
@@ -285,6 +281,8 @@ class KeyNavigation(Navigation):
     """
 
     TOOL_CALLS = KEY_ACTIONS
+    OUTCOME_TEXTS = {**OUTCOMES, **KEY_OUTCOMES}
+    WHY_TEXTS = {**WHY, **KEY_WHY}
 
     def __init__(self, task: NavTask):
         self._doors = [tuple(d) for d in getattr(task, "doors", [])]
@@ -382,52 +380,24 @@ class KeyNavigation(Navigation):
         self.found = False
         return super().reset()
 
-    def step(self, action: str) -> tuple[str, bool]:
-        """Navigation's step, plus: `route` shows a locked door instead of a route when one blocks
-        the way (and the key is not found yet), `find key` holds a route to its key, a move into a
-        locked door is a wall hit, and a move onto a key picks it up."""
-        if self.done:
-            return OUTCOMES["over"] + self._state(), True
-        self.actions.append(action)
-        self.turns += 1
-        a = action.strip() if isinstance(action, str) else None
-        outcome = ""
-        if a == "finish":
-            self.done = True
-            self.finished_at = self.pos
-            outcome = OUTCOMES["finish"]
-        elif a == "route":
-            door = self.blocking_door()
-            if door is not None and not self.found:
-                self.told = door
-                self.route = []
-            else:
-                self.route = self._route()
-        elif a == "find key":
-            if self.told is not None and not self.found:
-                self.found = True
-                self.route = self._route()
-            else:
-                outcome = KEY_OUTCOMES["nothing"]
-        elif a in MOVES:
-            hit = self.blocked(self.pos, a)
-            if hit:
-                self.wall_hits += 1
-                outcome = KEY_OUTCOMES["door"] if hit == "door" else OUTCOMES[hit]
-            else:
-                held = len(self.held)
-                self._move(a)
-                if len(self.held) > held:
-                    outcome = KEY_OUTCOMES["picked"]
-        else:
-            outcome = OUTCOMES["unknown"]
-        obs = outcome + self._state()
-        if not self.done and self.turns >= self.task.max_turns:
-            self.done = True
-            obs += OUT_OF_TURNS
-        self.observations.append(obs)
-        self.path.append(self.pos)
-        return obs, self.done
+    def _act(self, a: str | None) -> str:
+        """Navigation's action, plus: `route` shows a locked door instead of a route when one
+        blocks the way (and the key is not found yet), `find key` holds a route to its key, a move
+        into a locked door is a wall hit ('error hit door': OUTCOME_TEXTS), and a move onto a key
+        picks it up."""
+        if a == "route" and not self.found and (door := self.blocking_door()) is not None:
+            self.told = door
+            self.route = []
+            return ""
+        if a == "find key":
+            if self.told is None or self.found:
+                return self.OUTCOME_TEXTS["nothing"]
+            self.found = True
+            self.route = self._route()
+            return ""
+        held = len(self.held)
+        outcome = super()._act(a)
+        return self.OUTCOME_TEXTS["picked"] if len(self.held) > held else outcome
 
     def _move(self, move: str) -> None:
         """Navigation's move; stepping on a key not held picks it up, which spends the route and
@@ -463,49 +433,20 @@ class KeyNavigation(Navigation):
         path = EVIDENCE.format(target=key, directions=" ".join(self._route()))
         return LOCKED.format(cell=_cell_words(self._doors[door])) + path
 
-    def check_step(self, action: str) -> StepCheck:
-        """Navigation's checks, in its order, plus: `find key` is valid only after the route tool
-        showed a locked door whose key is not found (else early or repeat); `route` while that
-        door waits for `find key` is a repeat; a move into a locked door hits a wall; a move
-        without a held route is checked against the shortest path to heading(), the key's when a
-        door blocks. The hint names optimal_action()."""
-        a = action.strip() if isinstance(action, str) else None
-        hit = self.blocked(self.pos, a) if a in MOVES else ""
-        if self.done:
-            why = WHY["over"]
-        elif a not in KEY_ACTIONS:
-            why = WHY["unknown"]
-        elif self.at_end():
-            if a == "finish":
-                return StepCheck(True)
-            why = WHY["stop"].format(action=a)
-        elif a == "finish":
-            if self.visited < len(self._points):
-                why = WHY["early"]
-            else:
-                why = WHY["early away"].format(label=LABELS[len(self._points) - 1])
-        elif a == "find key":
-            if self.told is not None and not self.found:
-                return StepCheck(True)
-            why = KEY_WHY["find repeat"] if self.found else KEY_WHY["find early"]
-        elif a == "route":
-            if self.route:
-                why = WHY["repeat"]
-            elif self.told is not None and not self.found:
-                why = KEY_WHY["locked"]
-            else:
-                return StepCheck(True)
-        elif hit:
-            why = (KEY_WHY if hit == "door" else WHY)[hit].format(action=a)
-        elif self.route:
-            if a == f"move {self.route[0]}":
-                return StepCheck(True)
-            why = WHY["off route"].format(action=a)
-        elif a in self.shortest_moves():
-            return StepCheck(True)
-        else:
-            why = WHY["off path"].format(action=a)
-        return StepCheck(False, REASON.format(why=why, hint=self.hint()))
+    def _tool_why(self, a: str) -> str | None:
+        """Navigation's, plus: `find key` is valid only after the route tool showed a locked door
+        whose key is not found (else early or repeat), and `route` while that door waits for `find
+        key` is a repeat. (check_step's other additions come through WHY_TEXTS, blocked() and
+        shortest_moves(): a move into a locked door hits a wall, and a move without a held route
+        is checked against the shortest path to heading(), the key's when a door blocks.)"""
+        waiting = self.told is not None and not self.found
+        if a == "find key":
+            if waiting:
+                return None
+            return KEY_WHY["find repeat"] if self.found else KEY_WHY["find early"]
+        if a == "route" and not self.route and waiting:
+            return KEY_WHY["locked"]
+        return super()._tool_why(a)
 
     @classmethod
     def splits(cls) -> list[str]:
