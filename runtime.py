@@ -220,6 +220,14 @@ def declared_by(cls, name: str) -> type:
     return next(c for c in reversed(cls.__mro__) if name in vars(c).get("__annotations__", {}))
 
 
+def source_file(cls) -> str:
+    """The file that defines a class, from the repository root ('extras/scale.py'), also when its
+    module runs as __main__."""
+    path = Path(sys.modules[cls.__module__].__file__).resolve()
+    root = Path(__file__).resolve().parent
+    return str(path.relative_to(root)) if path.is_relative_to(root) else path.name
+
+
 def build_parser(cls, commands=("train", "eval"), prog="rti.py") -> argparse.ArgumentParser:
     """The command line of a config class: a flag per field, with the help text and choices of
     the field's metadata, grouped by the config class that declares it (its FLAG_GROUP, or name);
@@ -237,11 +245,10 @@ def build_parser(cls, commands=("train", "eval"), prog="rti.py") -> argparse.Arg
     for parent, f in flag_fields(cls):
         if parent is not None:
             nested = {g.name: g for g in dataclasses.fields(cls)}[parent].default_factory
-            title = f"{parent} ({nested.__module__}.py)"
+            title = f"{parent} ({source_file(nested)})"
         else:
             owner = declared_by(cls, f.name)
-            where = f"{owner.__module__}.py" if owner.__module__ in ("runtime", "rti") else prog
-            title = f"{vars(owner).get('FLAG_GROUP', owner.__name__)} ({where.removeprefix('-m ')})"
+            title = f"{vars(owner).get('FLAG_GROUP', owner.__name__)} ({source_file(owner)})"
         if title not in groups:
             groups[title] = p.add_argument_group(title)
         flag = "--" + f.name.replace("_", "-")
