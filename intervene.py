@@ -529,8 +529,8 @@ class Intervention:
         return out
 
     def review(self, cases: list[StepUnderReview]) -> list[bool]:
-        """Validate the steps: True where flagged, with the validator's reason in the case (a broken
-        validator flags none)."""
+        """Validate the steps: True where flagged, with the validator's reason in the case (a
+        validator answering a wrong number of cases flags none: call_role)."""
         checks = self.call_role(self.validator.check, cases, default=StepCheck(True))
         for case, check in zip(cases, checks):
             case.reason = check.reason
