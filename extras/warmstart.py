@@ -43,7 +43,7 @@ import loss
 import rti
 import runtime
 from loss import group_rows
-from policy import Chat, Sampler, load_model, pad_rows
+from policy import Chat, load_model, pad_rows
 
 
 @dataclass
@@ -311,16 +311,7 @@ def report(cfg: WarmStartConfig, model_dir: str, log=print) -> dict:
     figures that decide whether RL can start from it: p@1 on --test-split (--eval-tasks x
     --eval-samples), the share of --group-size-sample groups on --train-split with no success
     (--batch-tasks tasks), and how it uses the route tool on both."""
-    model, tok = load_model(model_dir, cfg.seed)
-    sampler = Sampler(
-        model,
-        tok,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        max_turn_tokens=cfg.max_turn_tokens,
-        seed=cfg.seed,
-        env=cfg.env,
-    )
+    sampler = rti.init_policy(dataclasses.replace(cfg, model=model_dir, init=""), rti.Backend())
     test_tasks = envs.env_tasks(cfg.env, cfg.test_split)[: cfg.eval_tasks]
     train_tasks = envs.env_tasks(cfg.env, cfg.train_split)[: cfg.batch_tasks]
     with torch.no_grad():
