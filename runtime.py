@@ -292,8 +292,7 @@ def unknown_words(folder: str, env_cls) -> list[str]:
     (its word-level tokenizer.json; every word when there is none)."""
     path = Path(folder) / "tokenizer.json"
     vocab = json.loads(path.read_text())["model"].get("vocab", {}) if path.is_file() else {}
-    words = env_cls.vocabulary() if hasattr(env_cls, "vocabulary") else []
-    return [w for w in words if w not in vocab]
+    return [w for w in env_cls.vocabulary() if w not in vocab]
 
 
 def can_make_folder(path: str) -> bool:
