@@ -539,7 +539,7 @@ def micro_batch_loss(
         behavior_logp=pad_rows([t.sample_logp for t in micro], 0, torch.float32, device),
         config=cfg.loss,
     )
-    size = int(mask.sum().item()) if cfg.loss.agg == "token-mean" else len(idx)
+    size = sum(sum(trajs[r].loss_mask) for r in idx) if cfg.loss.agg == "token-mean" else len(idx)
     return policy_loss(**inputs), size, loss_metrics(**inputs)
 
 
