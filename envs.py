@@ -428,6 +428,11 @@ class Navigation(Env):
     WHY_TEXTS = WHY  # why check_step refuses an action, by name (a subclass adds its own)
 
     def __init__(self, task: NavTask):
+        if not isinstance(self, player(task)):
+            raise ValueError(
+                f"task {task.task_id!r} is a {task.ENV} task: {type(self).__name__} would play it"
+                f" without its rules; use --env {task.ENV} (envs.player(task) plays it)"
+            )
         self.task = task
         self._walls = {tuple(w) for w in task.walls}
         self._points = [tuple(w) for w in task.waypoints]

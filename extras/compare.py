@@ -155,7 +155,7 @@ def compare(
     wall = time.time() - t0
     split = run_cfg.test_split
     n_boundary = BOUNDARY_TASKS_QUICK if quick else BOUNDARY_TASKS
-    warm = warm_boundary(out, run_cfg.init, split, n_boundary, seeds[0], jobs)
+    warm = warm_boundary(out, run_cfg.init, run_cfg.env, split, n_boundary, seeds[0], jobs)
     results = {
         run: json.loads((Path(w[1]) / "results.json").read_text()) for run, w in zip(runs, work)
     }
@@ -172,7 +172,7 @@ def compare(
         )
         return results
     # one warm-start batch for what the corrections write, and for fig7
-    policy, batch = warm_batch(run_cfg.init, seeds[0])
+    policy, batch = warm_batch(run_cfg.init, run_cfg.env, run_cfg.train_split, seeds[0])
     mechanics = mechanics_table(logs, seeds)
     mechanics += ["", minutes, "", corrections_written(batch, run_cfg.init)]
     write_report(results, warm, seeds, out, wall, command, curves, mechanics, split, compute)
@@ -204,31 +204,32 @@ def read_logs(folders: list, methods, seeds: list[int]) -> dict[tuple[str, int],
 
 
 def warm_boundary(
-    out: Path, init: str, split: str, n_tasks: int, seed: int, threads: int
+    out: Path, init: str, env: str, split: str, n_tasks: int, seed: int, threads: int
 ) -> tuple[dict, list[list[bool]]]:
-    """The warm start on the first n_tasks tasks of `split` (the runs' --test-split),
+    """The warm start on the first n_tasks tasks of env's `split` (the runs' --env, --test-split),
     BOUNDARY_SAMPLES samples each: (summary, per-task successes), kept in warm_start_SPLIT.json so
     that a resumed comparison does not sample them again."""
     path = out / f"warm_start_{split}.json"
-    tasks = envs.env_tasks("navigation", split)[:n_tasks]
+    tasks = envs.env_tasks(env, split)[:n_tasks]
     cached = json.loads(path.read_text()) if path.exists() else None
     if cached and len(cached[1]) == len(tasks):
         return tuple(cached)
     torch.set_num_threads(threads)
     model, tok = load_model(init)
-    sampler = Sampler(model, tok, seed=seed)
+    sampler = Sampler(model, tok, seed=seed, env=env)
     warm = rti.evaluate_policy(sampler, tasks, BOUNDARY_SAMPLES, seed=seed, per_task=True)
     path.write_text(json.dumps(warm))
     return warm
 
 
-def warm_batch(model_dir, seed: int = 0, n_tasks: int = 32) -> tuple:
-    """(policy, batch): one rollout of the first n_tasks train tasks x 8 from `model_dir`,
+def warm_batch(model_dir, env: str, split: str, seed: int = 0, n_tasks: int = 32) -> tuple:
+    """(policy, batch): one rollout of the first n_tasks tasks of env's `split` (the runs'
+    --train-split) x 8 from `model_dir`,
     intervened with the default RTIConfig. From the warm start (a run's first step), since a
     trained model seldom fails a whole group."""
     model, tok = load_model(str(model_dir))
-    policy = Sampler(model, tok, seed=seed)
-    trajs = rti.rollout(policy, envs.make_tasks("train")[:n_tasks], 8, seed)
+    policy = Sampler(model, tok, seed=seed, env=env)
+    trajs = rti.rollout(policy, envs.env_tasks(env, split)[:n_tasks], 8, seed)
     batch, _ = intervene.intervene_batch(policy, trajs, intervene.RTIConfig(), policy.make_env)
     return policy, batch
 

@@ -423,15 +423,16 @@ class KeyNavigation(Navigation):
 
     def evidence(self) -> str:
         """Navigation's evidence toward heading(): where a locked door blocks the way, the door,
-        the key and the path to it, e.g. 'locked door 3 4 . next key 5 6 path up up left', known
-        before any tool. A corrector that copies a direction from it while no route is held
-        writes a step the agent's context cannot justify."""
+        the key, the path to it and the tool the reference solution calls, e.g. 'locked door 3 4 .
+        next key 5 6 path up up left do find key', known before any tool. A corrector that writes
+        the tool is justified once the route tool has shown the door; one that copies a direction
+        while no route is held writes a step the agent's context cannot justify (leaked)."""
         door = self.blocking_door()
         if self.at_end() or door is None:
             return super().evidence()
         key = KEY_TARGET.format(cell=_cell_words(self._keys[door]))
         path = EVIDENCE.format(target=key, directions=" ".join(self._route()))
-        return LOCKED.format(cell=_cell_words(self._doors[door])) + path
+        return LOCKED.format(cell=_cell_words(self._doors[door])) + path + " do find key"
 
     def _tool_why(self, a: str) -> str | None:
         """Navigation's, plus: `find key` is valid only after the route tool showed a locked door

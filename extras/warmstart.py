@@ -97,6 +97,15 @@ class WarmStartConfig(rti.Config):
             " copies the path's first move instead of calling `route`: a corrector that can leak"
         },
     )
+    ws_follow_frac: float = field(
+        default=0.0,
+        metadata={
+            "help": "share of hint blocks whose 'do' names a random phrase of the tokenizer's words"
+            " (never a tool call of --env), which the teacher writes (an unknown action; it then"
+            " goes on): a corrector that writes whatever action its note names, as an instruction-following"
+            " policy does, even one it has never written as the agent"
+        },
+    )
     ws_obs_weight: float = field(
         default=1.0,
         metadata={"help": "weight of the auxiliary next-token loss on observation tokens"},
@@ -124,7 +133,7 @@ class WarmStartConfig(rti.Config):
         loss.require(self, "ws_lr", self.ws_lr > 0, "must be > 0")
         loss.require(self, "ws_hint_frac", 0 <= self.ws_hint_frac <= 1, "must be in [0, 1]")
         loss.require(self, "ws_route_frac", 0 <= self.ws_route_frac <= 1, "must be in [0, 1]")
-        for name in ("ws_evidence_frac", "ws_copy_frac"):
+        for name in ("ws_evidence_frac", "ws_copy_frac", "ws_follow_frac"):
             loss.require(self, name, 0 <= getattr(self, name) <= 1, "must be in [0, 1]")
         super().validate()
 
@@ -142,6 +151,9 @@ def teacher_sequence(
     route_frac: float,
     evidence_frac: float = 0.0,
     copy_frac: float = 0.0,
+    follow_frac: float = 0.0,
+    words: tuple[str, ...] = (),
+    banned: frozenset[str] = frozenset(),
 ):
     """Token ids and per-token loss weights of a teacher's successful episode for `task`.
 
@@ -154,7 +166,10 @@ def teacher_sequence(
     0. A share `evidence_frac` of the hint blocks show the grader's evidence instead of the hint
     (intervene.corrector_note); holding no route, the teacher then copies the path's first move in
     a share `copy_frac` of them and calls `route` in the others, so the policy, as a corrector
-    shown evidence, sometimes writes a step its context cannot justify.
+    shown evidence, sometimes writes a step its context cannot justify. A share `follow_frac` of
+    the hint blocks name a random phrase of 1-3 `words`, never one of `banned`, instead of the
+    action (follow_note); the teacher writes it (the env answers 'error unknown action' and the
+    teacher goes on): the policy learns to write what its note names.
     """
     env = envs.Navigation(replace(task, max_turns=envs.MAX_NUMBER))
     content = env.reset()
@@ -177,7 +192,11 @@ def teacher_sequence(
                 sees = "evidence"
                 if best == "route" and rng.random() < copy_frac:
                     action = env.shortest_moves()[0]  # copied from the evidence: a leak
-            hinted = piece(content + " " + intervene.corrector_note(case, sees))
+            note = intervene.corrector_note(case, sees)
+            if follow_frac and rng.random() < follow_frac:
+                action = random_phrase(rng, words, banned)
+                note = follow_note(case, sees, action)
+            hinted = piece(content + " " + note)
             n_hint = len(hinted) - len(plain)
             w = [obs_weight] * len(hinted)
             w[len(hinted) - n_post - n_hint : len(hinted) - n_post] = [0.0] * n_hint
@@ -197,6 +216,28 @@ def teacher_sequence(
     return ids, weights
 
 
+def follow_note(case: intervene.StepUnderReview, sees: str, phrase: str) -> str:
+    """The hint block of intervene.corrector_note with `phrase` as the action it names: the hint's
+    'next A 1 4 do route' becomes 'next A 1 4 do PHRASE'; the evidence 'next A 1 4 path up' gets
+    ' do PHRASE' after it (as a keys task's evidence names its tool)."""
+    hint = case.env.hint()
+    why = case.reason.removesuffix(hint).removesuffix(" ; ")
+    if sees == "hint" or case.env.evidence() == hint:  # the evidence hides nothing: the hint
+        named = hint.removesuffix(case.env.optimal_action()) + phrase
+    else:
+        named = f"{case.env.evidence()} do {phrase}"
+    return intervene.format_hint(why, named)
+
+
+def random_phrase(rng: random.Random, words: tuple[str, ...], banned: frozenset[str]) -> str:
+    """1 to 3 words drawn uniformly from `words`, e.g. 'key 7 up', redrawn while one of
+    `banned`."""
+    while True:
+        phrase = " ".join(rng.choice(words) for _ in range(rng.randint(1, 3)))
+        if phrase not in banned:
+            return phrase
+
+
 def lr_factor(step: int, steps: int) -> float:
     """The learning-rate schedule of the warm start: 50 warm-up steps, then cosine decay to 0 at
     `steps`."""
@@ -211,6 +252,10 @@ def warmstart(cfg: WarmStartConfig, log=print):
     model, tok = load_model(cfg.model, cfg.seed, env=cfg.env)
     chat = Chat(tok, cfg.env)
     tasks = envs.make_tasks(cfg.ws_split)
+    # a followed phrase: any words of the tokenizer's env, never one of its tool calls
+    env_cls = envs.env_class(cfg.env)
+    words = tuple(w for w in env_cls.vocabulary() if w not in envs.SEPARATORS)
+    banned = frozenset(env_cls.TOOL_CALLS)
     rng = random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.ws_lr, weight_decay=0.0)
     schedule = functools.partial(lr_factor, steps=cfg.ws_steps)
@@ -235,6 +280,9 @@ def warmstart(cfg: WarmStartConfig, log=print):
                     cfg.ws_route_frac,
                     cfg.ws_evidence_frac,
                     cfg.ws_copy_frac,
+                    cfg.ws_follow_frac,
+                    words,
+                    banned,
                 )
                 for _ in range(8 * cfg.ws_batch)
             ]

@@ -4,13 +4,22 @@ the vocabulary (the audit's are in test_audit.py)."""
 
 import random
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import pytest
 
 import envs
 import intervene
-from envs import ACTIONS, CARVED, RULES, Navigation, make_tasks, optimal_actions, run_actions
+from envs import (
+    ACTIONS,
+    CARVED,
+    RULES,
+    Navigation,
+    NavTask,
+    make_tasks,
+    optimal_actions,
+    run_actions,
+)
 from extras import navigation_keys
 from extras.navigation_keys import KEY_ACTIONS, KEY_SPLITS, KeyNavigation, KeyTask, make_key_tasks
 
@@ -229,7 +238,11 @@ def test_plain_tasks_play_exactly_as_navigation(splits):
     tasks = [t for t in splits["test"] if t.family == "plain"][:25] + make_tasks("easy", n=10)
     steps = 0
     for t in tasks:
-        a, b = Navigation(t), KeyNavigation(t)
+        # Navigation plays NavTasks: a KeyTask, even without doors, is navigation-keys'
+        a, b = (
+            Navigation(NavTask(**{f.name: getattr(t, f.name) for f in fields(NavTask)})),
+            KeyNavigation(t),
+        )
         assert a.reset() == b.reset()
         while not a.done:
             for probe in ACTIONS + ("jump",):
@@ -241,6 +254,13 @@ def test_plain_tasks_play_exactly_as_navigation(splits):
             steps += 1
         assert a.score() == b.score()
     assert steps > 300
+
+
+def test_navigation_refuses_a_keys_task_it_would_play_without_doors(splits):
+    task = next(t for t in splits["test"] if t.family == "keys")
+    with pytest.raises(ValueError, match="is a navigation-keys task: Navigation would play it"):
+        Navigation(task)
+    KeyNavigation(make_tasks("easy", n=1)[0])  # and the other way round is Navigation's play
 
 
 # ------------------------------------------------------------------------ robustness, vocabulary

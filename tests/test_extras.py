@@ -332,11 +332,13 @@ def test_the_warm_start_boundary_is_sampled_once(tmp_path):
     warm = [{"p@1": 12.5}, [[True] * 16, [False] * 16]]
     (tmp_path / "warm_start_val.json").write_text(json.dumps(warm))
     # read back, no model
-    assert list(compare.warm_boundary(tmp_path, "no/such/model", "val", 2, 0, 1)) == warm
+    assert (
+        list(compare.warm_boundary(tmp_path, "no/such/model", "navigation", "val", 2, 0, 1)) == warm
+    )
     # another number of tasks or split: sampled again, from the model
     for split, n in (("val", 3), ("test", 2)):
         with pytest.raises(FileNotFoundError):
-            compare.warm_boundary(tmp_path, "no/such/model", split, n, 0, 1)
+            compare.warm_boundary(tmp_path, "no/such/model", "navigation", split, n, 0, 1)
 
 
 @pytest.mark.slow
@@ -356,7 +358,7 @@ def test_quick_comparison_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_one_warm_start_batch_gives_the_corrections_line_and_fig7(tmp_path):
-    policy, batch = compare.warm_batch(rti.WARMSTART_DIR, seed=0, n_tasks=8)
+    policy, batch = compare.warm_batch(rti.WARMSTART_DIR, "navigation", "train", seed=0, n_tasks=8)
     # the warm start fails whole groups on many train tasks: some are intervened
     assert any(t.intervention for t in batch)
     line = compare_report.corrections_written(batch, "the warm start")

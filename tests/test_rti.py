@@ -728,3 +728,41 @@ def test_a_warm_start_without_the_envs_words_is_refused_naming_them(capsys):
     assert "--init: its tokenizer lacks words of --env navigation-keys (find" in err
     assert "python -m extras.warmstart --env navigation-keys" in err
     runtime.parse_args(["--env", "navigation-keys", "--init", ""], rti.Config)  # a random model
+
+
+@pytest.mark.parametrize("sees", ["hint", "evidence"])
+def test_teacher_writes_the_random_phrase_its_note_names(tiny, sees):
+    """ws_follow_frac: the note's 'do' names a phrase that is no tool call, the teacher writes
+    exactly it (trained), the env answers an unknown action and the teacher goes on to succeed;
+    with the phrase's words taken from 'wall' and 'hit', a banned 'wall hit' is never drawn."""
+    chat = Chat(tiny[1])
+    task = easy_tasks(1)[0]
+    for seed in range(5):
+        ids, w = warmstart.teacher_sequence(
+            chat,
+            task,
+            random.Random(seed),
+            hint_frac=1.0,
+            obs_weight=0.5,
+            route_frac=0.0,
+            evidence_frac=1.0 if sees == "evidence" else 0.0,
+            follow_frac=0.5,
+            words=("wall", "hit"),
+            banned=frozenset({"wall hit"}),
+        )
+        text = chat.tok.convert_ids_to_tokens(ids)
+        actions = teacher_actions_of(chat, ids)
+        followed = [a for a in actions if a not in envs.ACTIONS]
+        assert followed and all(set(a.split()) <= {"wall", "hit"} != a for a in followed)
+        assert "wall hit" not in followed and actions[-1] == "finish"
+        assert text.count("unknown") == len(followed)  # 'error unknown action' each
+        for start in [i for i, t in enumerate(text) if t == "<hint>"]:
+            close = text.index("</hint>", start)
+            written = [t for t, wt in zip(text[close:], w[close:]) if wt == 1.0]
+            action = written[: written.index(chat.tok.eos_token)]
+            if " ".join(action) in envs.ACTIONS:
+                continue
+            assert text[close - len(action) - 1 : close] == ["do", *action]
+            target = close - text[close::-1].index("next")  # the note's last 'next ...'
+            shown = sees == "evidence" and text[target + 1] != "finish"  # the end: no path
+            assert ("path" in text[target:close]) == shown
