@@ -228,10 +228,14 @@ def source_file(cls) -> str:
     return str(path.relative_to(root)) if path.is_relative_to(root) else path.name
 
 
-def build_parser(cls, commands=("train", "eval"), prog="rti.py") -> argparse.ArgumentParser:
+def build_parser(
+    cls, commands=("train", "eval"), prog="rti.py", defaults: dict | None = None
+) -> argparse.ArgumentParser:
     """The command line of a config class: a flag per field, with the help text and choices of
     the field's metadata, grouped by the config class that declares it (its FLAG_GROUP, or name);
-    the description is the first line of the docstring of the module that defines `cls`."""
+    the description is the first line of the docstring of the module that defines `cls`.
+    `defaults` (flat field names) replace the fields' own defaults: a command's settings, such as
+    a baseline's of extras/ (its flags still override them)."""
     module = sys.modules[cls.__module__]
     p = argparse.ArgumentParser(
         prog=prog,
@@ -266,14 +270,15 @@ def build_parser(cls, commands=("train", "eval"), prog="rti.py") -> argparse.Arg
                 metavar=f.type.split()[0].upper() if "choices" not in f.metadata else None,
                 help=help_text,
             )
+    p.set_defaults(**(defaults or {}))
     return p
 
 
-def parse_args(argv, cls, commands=("train", "eval"), prog="rti.py"):
+def parse_args(argv, cls, commands=("train", "eval"), prog="rti.py", defaults=None):
     """(command, model directory given after it or None, validated config) from the command
     line; a bad flag exits naming it (each config's validate() words its errors as the flag).
-    The directory, if any, becomes --model (a model to evaluate)."""
-    p = build_parser(cls, commands, prog)
+    The directory, if any, becomes --model (a model to evaluate). `defaults`: build_parser's."""
+    p = build_parser(cls, commands, prog, defaults)
     args = vars(p.parse_args(argv))
     command = args.pop("command")
     path = args.pop("path")
@@ -336,6 +341,8 @@ class Progress:
     intervene_seconds: float = 0.0  # RTI's intervention,
     update_seconds: float = 0.0  # and the update
     eval_seconds: float = 0.0  # time in evaluations
+    # a teacher's compute (the teacher-guided baselines of extras/): its "teacher/..." metrics
+    teacher: dict = field(default_factory=dict)
 
     def add(self, metrics: dict) -> None:
         """Count a finished step (train_step's metrics, with "step" and "time/step")."""
@@ -347,13 +354,18 @@ class Progress:
         self.rollout_seconds += metrics["time/rollout"]
         self.intervene_seconds += metrics["time/intervene"]
         self.update_seconds += metrics["time/update"]
+        for key, value in metrics.items():
+            if key.startswith("teacher/"):
+                self.teacher[key] = self.teacher.get(key, 0) + value
 
     def totals(self) -> dict:
-        """The compute so far, as metrics: the x-axes of a comparison at matched compute."""
+        """The compute so far, as metrics: the x-axes of a comparison at matched compute (with a
+        teacher, its episodes and tokens: "total/teacher/episodes", ...)."""
         return {
             "total/episodes": self.episodes,
             "total/generated_tokens": self.generated_tokens,
             "time/train_total": self.train_seconds,
+            **{f"total/{key}": value for key, value in self.teacher.items()},
         }
 
 
