@@ -183,8 +183,10 @@ def train_step(
     seed: int | None = None,
     backend: Backend | None = None,
     draw_tasks: Callable[[], list] | None = None,
+    method: Method | None = None,
 ) -> dict:
-    """One step of GRPO or RTI on a batch of tasks; returns the step's metrics.
+    """One step of GRPO or RTI (or of a `method` of extras/) on a batch of tasks; returns the
+    step's metrics.
 
     1. sample     G trajectories of each task (`rollout`)
     2. intervene  RTI only: correct the groups where every trajectory failed (intervene.py);
@@ -197,31 +199,42 @@ def train_step(
 
     `seed` fixes the episodes' sampling streams and the mini-batch shuffle (the trainer derives it
     from --seed and the step). Groups may differ in size (paired RTI adds corrections to their
-    group): advantages are taken group by group."""
+    group): advantages are taken group by group. `method` (default GRPO's and RTI's, `Method`)
+    gives the rollout, the advantages and the loss."""
     backend = backend or Backend()
+    method = method or Method()
     with backend.gathered(policy.model):  # processes run different numbers of forwards in here
-        trajs, metrics = sample_batch(policy, tasks, cfg, seed, draw_tasks)
-    sampled = time.time()
+        trajs, metrics = sample_batch(policy, tasks, cfg, seed, draw_tasks, method)
+        sampled = time.time()
+        advantages = method.advantages(policy, trajs, cfg)
 
     rewards = torch.tensor([t.reward for t in trajs])
     group_ids = [t.group for t in trajs]
-    advantages = advantages_by_group(rewards, group_ids, scale=cfg.loss.scale_advantages)
     metrics["train_success_after_rti"] = float(rewards.mean())
     metrics["groups_with_spread"] = float(
         np.mean([has_spread([trajs[i] for i in rows]) for rows in group_rows(group_ids).values()])
     )
 
-    trained = [i for i in range(len(trajs)) if advantages[i] != 0]
+    trained = [i for i, teaches in enumerate(teaching(advantages)) if teaches]
     rows = trained if cfg.loss_denominator == "trained" else list(range(len(trajs)))
     if backend.all_reduce(len(trained)):  # with several processes, every one joins the update
         batch = [trajs[i] for i in rows]
-        metrics.update(update(policy, opt, batch, advantages[rows], cfg, seed or 0, backend))
+        step = update(policy, opt, batch, advantages[rows], cfg, seed or 0, backend, method)
+        metrics.update(step)
     metrics["time/update"] = time.time() - sampled
     metrics["trained_rows"] = len(trained)
     if cfg.method == "rti" and "tokens/trained" in metrics:
         # the reweighting's figures, summed over the run like the intervention's counts
         metrics.update({f"rti/{k}": v for k, v in evaluate.reweighting_counts(metrics).items()})
+    metrics.update(method.metrics())
     return backend.reduce_metrics(metrics)
+
+
+def teaching(advantages: torch.Tensor) -> list[bool]:
+    """Whether each row's advantage (one a row [N], or one a token [N, T]) is non-zero anywhere:
+    only those rows teach, and only they are run in the update."""
+    nonzero = advantages != 0
+    return (nonzero.any(-1) if nonzero.dim() > 1 else nonzero).tolist()
 
 
 def sample_batch(
@@ -230,6 +243,7 @@ def sample_batch(
     cfg: Config,
     seed: int | None,
     draw_tasks: Callable[[], list] | None = None,
+    method: Method | None = None,
 ) -> tuple[list[Trajectory], dict]:
     """Steps 1 and 2 of train_step: the batch to learn from, and what sampling it cost.
 
@@ -238,7 +252,9 @@ def sample_batch(
     `draw_tasks()` are sampled until the batch holds len(tasks) of them (the extra ones of the
     last round are dropped) or --max-sampling-rounds rounds have run; the batch may then be short.
     Metrics: sampled and continued episodes, generated tokens (the policy's, every role included),
-    rounds, the rollout's success, and RTI's counts summed over the rounds."""
+    rounds, the rollout's success, and RTI's counts summed over the rounds. The rollout is
+    `method`'s (default `rollout`)."""
+    method = method or Method()
     target = len(tasks)
     rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
     tokens_before = policy.generated_tokens
@@ -251,7 +267,7 @@ def sample_batch(
         if round_index > 0:
             tasks = draw_tasks()
         start = time.time()
-        trajs = rollout(policy, tasks, cfg.group_size, round_seed(seed, round_index))
+        trajs = method.rollout(policy, tasks, cfg, round_seed(seed, round_index))
         rolled_out = time.time()
         sampled += trajs
         if cfg.method == "rti":
@@ -392,19 +408,23 @@ def rollout(
     policy.model.eval()
     if seed is None:
         seed = int(torch.randint(2**62, (1,), generator=policy.gen, device=policy.gen.device))
-    env_list = []
-    trajs = []
-    for g, task in enumerate(tasks):
-        for j in range(group_size):
-            env = policy.make_env(task)
-            traj = Trajectory(
-                task, g, observations=[env.reset()], seed=episode_seed(seed, task.task_id, j)
-            )
-            traj.add(policy.chat.prompt_ids(traj.observations[0]), 0, POLICY)
-            env_list.append(env)
-            trajs.append(traj)
-    intervene.play(policy, trajs, env_list, [Stream(t.seed) for t in trajs])
+    starts = [
+        start_episode(policy, task, g, episode_seed(seed, task.task_id, j))
+        for g, task in enumerate(tasks)
+        for j in range(group_size)
+    ]
+    trajs = [traj for traj, _ in starts]
+    intervene.play(policy, trajs, [env for _, env in starts], [Stream(t.seed) for t in trajs])
     return trajs
+
+
+def start_episode(policy: Sampler, task, group: int, seed: int) -> tuple[Trajectory, envs.Env]:
+    """A new episode of `task` in `group`, on sampling stream `seed`, and its env: the env's first
+    message as the prompt, no turn yet."""
+    env = policy.make_env(task)
+    traj = Trajectory(task, group, observations=[env.reset()], seed=seed)
+    traj.add(policy.chat.prompt_ids(traj.observations[0]), 0, POLICY)
+    return traj, env
 
 
 def evaluate_policy(
@@ -439,6 +459,7 @@ def update(
     cfg: Config,
     seed: int = 0,
     backend: Backend | None = None,
+    method: Method | None = None,
 ) -> dict:
     """PPO-style updates on one rollout batch; returns the update's metrics.
 
@@ -453,15 +474,17 @@ def update(
     to the mini-batch's loss. Rows whose advantage is 0 are never run (their loss is 0), but they
     count in that total (--loss-denominator batch passes them in). Metric `loss` is the mean of
     the steps' losses, `grad_norm` the last step's; the others are the micro-batches' figures
-    joined (loss.combine_metrics)."""
+    joined (loss.combine_metrics). `advantages`: one a row [N], or one a token [N, T] (T at least
+    the longest row); the loss is `method`'s (default loss.policy_loss)."""
     backend = backend or Backend()
     model = policy.model
     n_steps = cfg.updates_per_batch * cfg.mini_batches
+    teaches = teaching(advantages)
     old_logp = None
     if n_steps > 1:
-        teaching = [r for r in range(len(trajs)) if advantages[r] != 0]
+        rows = [r for r in range(len(trajs)) if teaches[r]]
         with backend.gathered(model):
-            old_logp = dict(zip(teaching, policy.score([trajs[r].ids for r in teaching])))
+            old_logp = dict(zip(rows, policy.score([trajs[r].ids for r in rows])))
     model.train()
     rng = random.Random(seed)
     order = list(range(len(trajs)))
@@ -472,9 +495,9 @@ def update(
             rng.shuffle(order)
         for part in np.array_split(order, cfg.mini_batches):
             rows = sorted(part.tolist(), key=lambda r: len(trajs[r].ids))  # less padding
-            teaching = [r for r in rows if advantages[r] != 0]
+            taught = [r for r in rows if teaches[r]]
             micro_batches = [
-                teaching[i : i + cfg.micro_batch] for i in range(0, len(teaching), cfg.micro_batch)
+                taught[i : i + cfg.micro_batch] for i in range(0, len(taught), cfg.micro_batch)
             ]
             if cfg.loss.agg == "token-mean":
                 total = sum(sum(trajs[r].loss_mask) for r in rows)
@@ -485,7 +508,7 @@ def update(
             opt.zero_grad(set_to_none=True)
             for idx in micro_batches:
                 loss, size, figures = micro_batch_loss(
-                    policy, trajs, advantages, old_logp, idx, cfg
+                    policy, trajs, advantages, old_logp, idx, cfg, method
                 )
                 share = size / total if total else 0.0
                 (loss * share).backward()
@@ -510,11 +533,13 @@ def micro_batch_loss(
     old_logp: dict[int, list[float]] | None,
     idx: list[int],
     cfg: Config,
+    method: Method | None = None,
 ) -> tuple[torch.Tensor, int, dict]:
-    """(loss.policy_loss of rows `idx`, its size in the loss's unit: tokens under token-mean, else
-    rows, loss.loss_metrics' figures). pi_old is old_logp's scores, or this forward pass's own
-    (detached) when there is one step per batch. An empty `idx` runs one untrained pad row: a
-    process with no rows left still joins every collective of a distributed backward."""
+    """(loss.policy_loss of rows `idx` (or `method`'s loss), its size in the loss's unit: tokens
+    under token-mean, else rows, loss.loss_metrics' figures). pi_old is old_logp's scores, or this
+    forward pass's own (detached) when there is one step per batch. An empty `idx` runs one
+    untrained pad row: a process with no rows left still joins every collective of a distributed
+    backward."""
     device = policy.device
     pad = Trajectory(None, -1, [policy.tok.pad_token_id], [0], [POLICY], [0.0])
     micro = [trajs[r] for r in idx] or [pad]
@@ -530,17 +555,50 @@ def micro_batch_loss(
         old = logp.detach()
     else:
         old = pad_rows([old_logp[r] for r in idx] or [[0.0]], 0, torch.float32, device)
+    adv = advantages[idx] if idx else torch.zeros(1)
+    if adv.dim() > 1:  # one a token: the micro-batch's width
+        adv = adv[:, : logp.shape[1]]
     inputs = dict(
         logp=logp,
         old_logp=old,
-        advantages=(advantages[idx] if idx else torch.zeros(1)).to(device),
+        advantages=adv.to(device),
         loss_mask=mask,
         source=pad_rows([t.source for t in micro], 0, torch.long, device),
         behavior_logp=pad_rows([t.sample_logp for t in micro], 0, torch.float32, device),
         config=cfg.loss,
     )
     size = sum(sum(trajs[r].loss_mask) for r in idx) if cfg.loss.agg == "token-mean" else len(idx)
-    return policy_loss(**inputs), size, loss_metrics(**inputs)
+    loss, figures = (method or Method()).loss(inputs, cfg)
+    return loss, size, figures
+
+
+# ----------------------------------------------------------------------------- what a method changes
+
+
+class Method:
+    """The parts of a training step a method may replace: GRPO's and RTI's here (RTI's intervention
+    follows the rollout in sample_batch). The baselines of extras/ (AEPO, LUFFY, OPD) subclass it
+    and run `main(argv, their Config, their Method)`; train_step calls it once a step."""
+
+    def rollout(self, policy: Sampler, tasks: list, cfg: Config, seed: int | None):
+        """The groups of a batch: --group-size episodes of each task (`rollout`)."""
+        return rollout(policy, tasks, cfg.group_size, seed)
+
+    def advantages(self, policy: Sampler, trajs: list[Trajectory], cfg: Config) -> torch.Tensor:
+        """One advantage a row [N]: group z-scores of the rewards (loss.advantages_by_group); a
+        method may give one a token instead, [N, T] with T the longest row."""
+        rewards = torch.tensor([t.reward for t in trajs])
+        group_ids = [t.group for t in trajs]
+        return advantages_by_group(rewards, group_ids, scale=cfg.loss.scale_advantages)
+
+    def loss(self, inputs: dict, cfg: Config) -> tuple[torch.Tensor, dict]:
+        """(the loss of a micro-batch, its figures) from loss.policy_loss's inputs."""
+        return policy_loss(**inputs), loss_metrics(**inputs)
+
+    def metrics(self) -> dict:
+        """The method's own figures of the step just taken (a teacher's compute): ints add up over
+        processes and in the run's totals."""
+        return {}
 
 
 # ----------------------------------------------------------------------------- where the model runs
@@ -615,12 +673,14 @@ class Backend:
 # ----------------------------------------------------------------------------- the training loop
 
 
-def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
+def train(
+    cfg: Config, log=print, backend: Backend | None = None, method: Method | None = None
+) -> dict:
     """The training loop: `cfg.steps` calls of train_step, with evaluations, a metrics log and
     checkpoints. Returns the test metrics {"before", "after"} (evaluate.summarize; with
     --ood-split also "before_ood", "after_ood"), the run's intervention statistics and the policy
     ("sampler"). With several processes each runs it on its
-    share of every batch; process 0 logs and writes."""
+    share of every batch; process 0 logs and writes. `method`: train_step's."""
     cfg.validate()  # the command line's errors for a config built in Python (make_config)
     backend = backend or Backend()
     runtime.seed_everything(cfg.seed, cfg.threads)
@@ -674,7 +734,7 @@ def train(cfg: Config, log=print, backend: Backend | None = None) -> dict:
         for group in opt.param_groups:  # a function of the step alone: --resume needs no state
             group["lr"] = learning_rate(step, cfg)
         step_seed = cfg.seed * envs.SEED_STRIDE + step
-        metrics = train_step(policy, opt, tasks, cfg, step_seed, backend, draw_tasks)
+        metrics = train_step(policy, opt, tasks, cfg, step_seed, backend, draw_tasks, method)
         metrics["step"] = step + 1
         metrics["time/step"] = time.time() - start
         progress.add(metrics)
@@ -822,14 +882,16 @@ def build_parser():
     return runtime.build_parser(Config)
 
 
-def main(argv=None) -> None:
-    command, _, cfg = runtime.parse_args(argv, Config)
+def main(argv=None, config=Config, method=Method, prog="rti.py", defaults=None) -> None:
+    """The command line of rti.py, or of a baseline of extras/: its `config` class, its `method`
+    class, its `prog` and the flags' `defaults` it sets (runtime.build_parser)."""
+    command, _, cfg = runtime.parse_args(argv, config, prog=prog, defaults=defaults)
     torch.set_num_threads(cfg.threads)
     start = time.time()
     if command == "eval":  # python rti.py eval MODEL_DIR [--test-split ... --eval-tasks N ...]
         print(eval_table(cfg, Backend()))
     else:
-        print(report(cfg, train(cfg), time.time() - start))
+        print(report(cfg, train(cfg, method=method()), time.time() - start))
 
 
 if __name__ == "__main__":
