@@ -60,8 +60,8 @@ class WarmStartConfig(rti.Config):
     ws_split: str = field(
         default="easy",
         metadata={
-            "help": "Navigation split of the teacher's episodes",
-            "choices": tuple(envs.SPLITS),
+            "help": "Navigation split of the teacher's episodes ('fit': train without val)",
+            "choices": tuple(envs.Navigation.splits()),
         },
     )
     ws_steps: int = field(default=700, metadata={"help": "optimizer steps of the warm start"})
@@ -121,8 +121,8 @@ class WarmStartConfig(rti.Config):
         loss.require(
             self,
             "ws_split",
-            self.ws_split in envs.SPLITS,
-            f"must be a Navigation split: {list(envs.SPLITS)}",
+            self.ws_split in envs.Navigation.splits(),
+            f"must be a Navigation split: {envs.Navigation.splits()}",
         )
         loss.require(
             self,
@@ -251,7 +251,7 @@ def warmstart(cfg: WarmStartConfig, log=print):
     cfg.ws_out."""
     model, tok = load_model(cfg.model, cfg.seed, env=cfg.env)
     chat = Chat(tok, cfg.env)
-    tasks = envs.make_tasks(cfg.ws_split)
+    tasks = envs.Navigation.tasks(cfg.ws_split)
     # a followed phrase: any words of the tokenizer's env, never one of its tool calls
     env_cls = envs.env_class(cfg.env)
     words = tuple(w for w in env_cls.vocabulary() if w not in envs.SEPARATORS)
