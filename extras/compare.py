@@ -2,9 +2,11 @@
 
     python -m extras.compare --seeds 0 1 2 --out results   # GRPO, RTI and its 3 ablations x 3 seeds
     python -m extras.compare --quick --seeds 0             # a smoke run: 4 steps of 4 tasks
+    python -m extras.compare --methods GSPO AEPO LUFFY OPD # the paper's other baselines
 
-Every run is `python rti.py` with the method's flags (and any flags given after `--`), from the
-same warm start, with the same budget and seeds: 48 steps of 8 tasks x 8, test p@1 every 8
+Every run is `python rti.py` with the method's flags (a baseline of BASELINES: its own command,
+`python -m extras.gspo` ..., rti.py's loop with its settings), and any flags given after `--`, from
+the same warm start, with the same budget and seeds: 48 steps of 8 tasks x 8, test p@1 every 8
 steps; `--jobs` runs go at a time. The same command again resumes: finished runs are kept,
 unfinished ones go on from their last checkpoint. Then it writes the report (compare.md,
 compare.csv: extras/compare_report.py) and the figures (fig5, fig6, fig7:
@@ -58,6 +60,16 @@ METHODS = {
     "RTI w/o PPL gate": ["--method", "rti", "--no-ppl-gate"],
     "RTI w/o reweight": ["--method", "rti", "--no-reweight"],
 }
+# the paper's other baselines, each a command of its own: rti.py's loop with the method's settings
+# and parts (rti.Method); LUFFY and OPD learn from the teacher (extras/teacher.py). Chosen with
+# --methods; the learning rates are rti.py's until chosen on val
+BASELINES = {
+    "GSPO": "extras.gspo",
+    "AEPO": "extras.aepo",
+    "LUFFY": "extras.luffy",
+    "OPD": "extras.opd",
+}
+CHOICES = [*METHODS, *BASELINES]
 # the budget of a run: past GRPO's plateau
 FULL = ["--steps", "48", "--eval-tasks", "150", "--eval-every", "8", "--save-every", "4"]
 QUICK = ["--steps", "4", "--eval-tasks", "30", "--eval-every", "0", "--batch-tasks", "4"]
@@ -68,7 +80,12 @@ BOUNDARY_TASKS_QUICK = 30
 
 def grpo_flags(name: str, grpo_lr: str) -> list[str]:
     """The learning rate of a GRPO method's runs (RTI's is rti.py's own)."""
-    return ["--lr", grpo_lr] if METHODS[name][:2] == ["--method", "grpo"] else []
+    return ["--lr", grpo_lr] if METHODS.get(name, [])[:2] == ["--method", "grpo"] else []
+
+
+def program(name: str) -> list[str]:
+    """The command that trains a method, after `python`: rti.py, or a baseline's module."""
+    return ["-m", BASELINES[name]] if name in BASELINES else ["rti.py"]
 
 
 def slug(name: str) -> str:
@@ -77,14 +94,15 @@ def slug(name: str) -> str:
 
 
 def run_one(args: tuple) -> str:
-    """One training run (flags, run directory, log file) as a subprocess of `python rti.py` (one
-    thread each, so `jobs` runs share the cores); a run with results is kept, one with a
-    checkpoint resumes from it."""
-    flags, out, log = args
+    """One training run (flags, run directory, log file[, program: default rti.py]) as a
+    subprocess of `python rti.py` or of a baseline's command (one thread each, so `jobs` runs
+    share the cores); a run with results is kept, one with a checkpoint resumes from it."""
+    flags, out, log = args[:3]
+    words = args[3] if len(args) > 3 else ["rti.py"]
     if (Path(out) / "results.json").exists():
         return out
     resume = ["--resume"] if (Path(out) / "ckpt.pt").exists() else []
-    command = [sys.executable, "rti.py", *flags, *resume]
+    command = [sys.executable, *words, *flags, *resume]
     command += ["--out", out, "--threads", "1", "--no-progress"]
     with open(log, "a" if resume else "w") as f:
         subprocess.run(command, stdout=f, stderr=subprocess.STDOUT, check=True)
@@ -142,10 +160,11 @@ def compare(
     budget = QUICK if quick else FULL
     work = [
         (
-            [*METHODS[name], *grpo_flags(name, grpo_lr), "--seed", str(seed), "--no-eval-before"]
-            + [*budget, *extra],
+            [*METHODS.get(name, []), *grpo_flags(name, grpo_lr), "--seed", str(seed)]
+            + ["--no-eval-before", *budget, *extra],
             str(out / f"{slug(name)}-s{seed}"),
             str(out / f"{slug(name)}-s{seed}.log"),
+            program(name),
         )
         for name, seed in runs
     ]
@@ -236,10 +255,10 @@ def warm_batch(model_dir, env: str, split: str, seed: int = 0, n_tasks: int = 32
 
 def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[str]:
     """The compute table (compute_table) over the runs of earlier comparisons, wherever they lie:
-    every method of METHODS with a metrics log for each seed in one of `folders` (the first folder
+    every method of CHOICES with a metrics log for each seed in one of `folders` (the first folder
     holding it wins), written to out_dir/equal_episodes.md with the command that made it."""
-    logs = read_logs(folders, METHODS, seeds)
-    methods = [name for name in METHODS if all((name, s) in logs for s in seeds)]
+    logs = read_logs(folders, CHOICES, seeds)
+    methods = [name for name in CHOICES if all((name, s) in logs for s in seeds)]
     if not methods:
         raise SystemExit(f"no method has a metrics.jsonl for every seed {seeds} in {folders}")
     table = compute_table(logs, seeds, methods)
@@ -262,7 +281,8 @@ def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[s
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m extras.compare",
-        description="GRPO vs RTI vs its three ablations from the same warm start (Table 3)",
+        description="GRPO vs RTI vs its three ablations from the same warm start (Table 3), and "
+        "the paper's other baselines (GSPO, AEPO, LUFFY, OPD)",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
@@ -277,9 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         nargs="+",
         default=list(METHODS),
-        choices=list(METHODS),
+        choices=CHOICES,
         metavar="NAME",
-        help=f"a subset of {list(METHODS)} (quote names with spaces); without GRPO and RTI both, "
+        help=f"methods of {CHOICES} (quote names with spaces); without GRPO and RTI both, "
         "the report is the table and the curves",
     )
     p.add_argument("--jobs", type=int, default=2, help="runs in parallel, one thread each")

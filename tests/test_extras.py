@@ -62,6 +62,11 @@ FREE_FORM = {
     "extras.tau2": {"split": "tau2's split names, from the tau2 package"},
     "extras.trl_rti": {"model": "any model directory", "out": "any directory"},
     "extras.warmstart": {**CONFIG_FREE_FORM, "ws_out": "any directory"},
+    "extras.teacher": {**CONFIG_FREE_FORM, "ws_out": "any directory"},
+    "extras.gspo": CONFIG_FREE_FORM,
+    "extras.aepo": CONFIG_FREE_FORM,
+    "extras.luffy": {**CONFIG_FREE_FORM, "teacher": "any model directory"},
+    "extras.opd": {**CONFIG_FREE_FORM, "teacher": "any model directory"},
 }
 # the flags of rti.Config's nested configs (loss.py's LossConfig, intervene.py's RTIConfig)
 NESTED = {f.name for parent, f in runtime.flag_fields(rti.Config) if parent}
