@@ -12,6 +12,10 @@ it returns. That is extras/warmstart.py's loop with its own settings (BUILD: --w
 hint blocks), so the teacher solves most tasks of the distribution RL trains on by the tool call
 the warm start seldom makes, the capability boundary RL has to cross. A run takes it as --teacher
 (TeacherConfig) and loads it beside the policy (load_teacher).
+
+The committed one (80 steps of 8 episodes, 71 s on one thread): p@1 95.75 on val (100 tasks x 4
+samples), 96.88 on fit's first 8 tasks x 8, every leg started with `route` (its report.json); the
+warm start it starts from scores 22.50 on test.
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ BUILD = {
     "ws_route_frac": 1.0,
     "ws_hint_frac": 0.0,
     "ws_evidence_frac": 0.0,
-    "ws_steps": 200,
-    "ws_lr": 1e-3,
+    "ws_steps": 80,
+    "ws_batch": 8,
+    "ws_lr": 3e-3,
     "ws_out": TEACHER_DIR,
     "train_split": "fit",
     "test_split": "val",
