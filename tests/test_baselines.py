@@ -4,6 +4,8 @@ each."""
 
 import copy
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import torch
 import envs
 import rti
 import runtime
-from extras import aepo, gspo, luffy, opd, teacher
+from extras import aepo, compare, gspo, luffy, opd, teacher
 from loss import INTERVENED, POLICY, LossConfig, policy_loss, token_losses
 from policy import Sampler, load_model
 
@@ -312,3 +314,17 @@ def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
     tok.save_pretrained(other)
     with pytest.raises(ValueError, match="--teacher: its tokenizer is not the policy's"):
         small(opd.OPDConfig, tmp_path, teacher=str(other)).validate()
+
+
+@pytest.mark.slow
+def test_quick_comparison_of_the_baselines(tmp_path):
+    """`python -m extras.compare --quick --methods GSPO AEPO LUFFY OPD` runs each baseline's own
+    command, writes their table, and the teacher-guided runs log the teacher's compute."""
+    methods = ["GSPO", "AEPO", "LUFFY", "OPD"]
+    command = ["-m", "extras.compare", "--quick", "--seeds", "0", "--methods", *methods]
+    subprocess.run([sys.executable, *command, "--out", str(tmp_path)], cwd=ROOT, check=True)
+    md = (tmp_path / "compare.md").read_text()
+    assert all(f"| {name} |" in md for name in methods)
+    for name, key in (("LUFFY", "total/teacher/episodes"), ("OPD", "total/teacher/scored_tokens")):
+        rows = compare.read_jsonl(tmp_path / f"{compare.slug(name)}-s0" / "metrics.jsonl")
+        assert max(row.get(key, 0) for row in rows) > 0
