@@ -15,7 +15,8 @@ extras/compare_figures.py) under --out.
     python -m extras.compare --equal-episodes results/a results/b --seeds 0 1 2 --out results/ab
 
 reads the runs of earlier comparisons (with other --steps, say) and writes equal_episodes.md:
-every method found there, per seed, at equal sampled episodes.
+every method found there, per seed, at equal sampled episodes and at equal tokens (a teacher's
+counted with the policy's).
 """
 
 from __future__ import annotations
@@ -266,8 +267,9 @@ def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[s
         raise SystemExit("these runs' logs record no compute (total/episodes): runs of older code")
     command = command_line(seeds, out_dir, equal_episodes=folders)
     lines = [
-        f"Per seed and method at equal sampled episodes: each run's last test evaluation within "
-        f"the seed's smallest final episode count over the methods. Command: `{command}`",
+        f"Per seed and method at equal sampled episodes and at equal tokens, a teacher's counted "
+        f"with the policy's: each run's last test evaluation within the seed's smallest final "
+        f"count over the methods. Command: `{command}`",
         "",
         *table,
     ]

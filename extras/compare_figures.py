@@ -104,9 +104,9 @@ def plot_curves(
 
 
 def plot_compute(logs: dict, out, seeds: list[int], methods, split: str = "test") -> None:
-    """fig8: test p@1 against the compute spent: sampled episodes (RTI's continuations included),
-    tokens the policy generated, and training minutes; one line per run, a colour per method, so
-    that RTI's extra work per step is visible. `logs`: {(method, seed): metrics log}."""
+    """fig8: test p@1 against the compute spent: sampled episodes (RTI's continuations and a
+    teacher's included), tokens generated (by the policy or a teacher), and training minutes; one
+    line per run, a colour per method, so that RTI's extra work per step is visible. `logs`: {(method, seed): metrics log}."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
     labels = ("sampled episodes", "generated tokens", "training minutes")
@@ -114,11 +114,11 @@ def plot_compute(logs: dict, out, seeds: list[int], methods, split: str = "test"
         colour = f"C{k}"
         for s in seeds:
             points = eval_points(logs[(name, s)])
-            for axis, ax in enumerate(axes, start=1):
-                xs = [p[axis] for p in points]
+            for field, ax in zip(("episodes", "tokens", "minutes"), axes):
+                xs = [getattr(p, field) for p in points]
                 ax.plot(
                     xs,
-                    [p[4] for p in points],
+                    [p.p1 for p in points],
                     "o-",
                     color=colour,
                     ms=3,

@@ -406,11 +406,38 @@ def test_compute_table_compares_methods_at_equal_sampled_episodes():
     }
     lines = compare_report.compute_table(logs, [0], ["GRPO", "RTI"])
     grpo, rti_row = lines[2], lines[3]
-    assert grpo == "| 0 | GRPO | 256 | 2,560 | 4.0 | 6.00 | 6.00 (4) |"
-    # RTI reached 256 episodes at step 2: compared there, not at its end
-    assert rti_row == "| 0 | RTI | 512 | 5,120 | 4.0 | 80.00 | 40.00 (2) |"
+    assert grpo == "| 0 | GRPO | 256 (0) | 2,560 (0) | 0 | 4.0 | 6.00 | 6.00 (4) | 6.00 (4) |"
+    # RTI reached 256 episodes (2,560 tokens) at step 2: compared there, not at its end
+    assert rti_row == "| 0 | RTI | 512 (0) | 5,120 (0) | 0 | 4.0 | 80.00 | 40.00 (2) | 40.00 (2) |"
     logs[("GRPO", 0)] = [{"step": 1, "train_success": 0.0}]  # a log of older code
     assert compare_report.compute_table(logs, [0], ["GRPO", "RTI"]) == []
+
+
+def test_compute_table_counts_the_teachers_episodes_and_tokens():
+    """A teacher's episodes and generated tokens add to the policy's, and the tokens it scores
+    count at equal tokens: a method whose teacher doubles its compute is read at half its steps."""
+    logs = {
+        ("GRPO", 0): compute_log(64, {2: 5.0, 4: 6.0}),
+        ("LUFFY", 0): compute_log(64, {2: 50.0, 4: 60.0}),
+        ("OPD", 0): compute_log(64, {2: 70.0, 4: 90.0}),
+    }
+    for step, row in enumerate(r for r in logs[("LUFFY", 0)] if "total/episodes" in r):
+        row["total/teacher/episodes"] = 64 * (step + 1)
+        row["total/teacher/generated_tokens"] = 640 * (step + 1)
+    for step, row in enumerate(r for r in logs[("OPD", 0)] if "total/episodes" in r):
+        row["total/teacher/scored_tokens"] = 640 * (step + 1)
+    lines = compare_report.compute_table(logs, [0], ["GRPO", "LUFFY", "OPD"])
+    assert lines[2] == "| 0 | GRPO | 256 (0) | 2,560 (0) | 0 | 4.0 | 6.00 | 6.00 (4) | 6.00 (4) |"
+    # LUFFY: 512 episodes (256 the teacher's) and 5,120 tokens: read at step 2 on both
+    assert lines[3] == (
+        "| 0 | LUFFY | 512 (256) | 5,120 (2,560) | 0 | 4.0 | 60.00 | 50.00 (2) | 50.00 (2) |"
+    )
+    # OPD: the teacher samples nothing, but scores 2,560 tokens: equal episodes at its end,
+    # equal tokens at step 2
+    assert (
+        lines[4]
+        == "| 0 | OPD | 256 (0) | 2,560 (0) | 2,560 | 4.0 | 90.00 | 90.00 (4) | 70.00 (2) |"
+    )
 
 
 def test_equal_episodes_reads_runs_of_several_comparisons(tmp_path):
@@ -431,9 +458,10 @@ def test_equal_episodes_reads_runs_of_several_comparisons(tmp_path):
         + ["--out", str(out)]
     )
     table = (out / "equal_episodes.md").read_text().splitlines()
-    assert "| 0 | GRPO | 256 | 2,560 | 4.0 | 6.00 | 6.00 (4) |" in table
-    assert "| 0 | GRPO + dynamic sampling | 256 | 2,560 | 1.0 | 7.00 | 7.00 (1) |" in table
-    assert "| 0 | RTI | 512 | 5,120 | 4.0 | 80.00 | 40.00 (2) |" in table
+    assert "| 0 | GRPO | 256 (0) | 2,560 (0) | 0 | 4.0 | 6.00 | 6.00 (4) | 6.00 (4) |" in table
+    dynamic = "| 0 | GRPO + dynamic sampling | 256 (0) | 2,560 (0) | 0 | 1.0 | 7.00 | 7.00 (1) |"
+    assert dynamic + " 7.00 (1) |" in table
+    assert "| 0 | RTI | 512 (0) | 5,120 (0) | 0 | 4.0 | 80.00 | 40.00 (2) | 40.00 (2) |" in table
     command = f"python -m extras.compare --equal-episodes {tmp_path / 'a'} {tmp_path / 'b'}"
     assert f"Command: `{command} --seeds 0 --out {out}`" in table[0]
     with pytest.raises(SystemExit, match=r"for every seed \[0, 1\]"):
