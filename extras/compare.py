@@ -255,9 +255,10 @@ def warm_batch(model_dir, env: str, split: str, seed: int = 0, n_tasks: int = 32
 
 
 def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[str]:
-    """The compute table (compute_table) over the runs of earlier comparisons, wherever they lie:
-    every method of CHOICES with a metrics log for each seed in one of `folders` (the first folder
-    holding it wins), written to out_dir/equal_episodes.md with the command that made it."""
+    """The compute table (compute_table) and the p@1 curves (curve_table) over the runs of earlier
+    comparisons, wherever they lie: every method of CHOICES with a metrics log for each seed in one
+    of `folders` (the first folder holding it wins), written to out_dir/equal_episodes.md with the
+    command that made it."""
     logs = read_logs(folders, CHOICES, seeds)
     methods = [name for name in CHOICES if all((name, s) in logs for s in seeds)]
     if not methods:
@@ -266,12 +267,20 @@ def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[s
     if not table:
         raise SystemExit("these runs' logs record no compute (total/episodes): runs of older code")
     command = command_line(seeds, out_dir, equal_episodes=folders)
+    warm = [Path(f) / "warm_start_test.json" for f in folders]
+    warm = [json.loads(path.read_text())[0]["p@1"] for path in warm if path.exists()]
     lines = [
         f"Per seed and method at equal sampled episodes and at equal tokens, a teacher's counted "
         f"with the policy's: each run's last test evaluation within the seed's smallest final "
         f"count over the methods. Command: `{command}`",
         "",
         *table,
+        "",
+        "Test p@1 at every evaluation, mean over seeds"
+        + (" (step 0: the warm start of the first folder with one)" if warm else "")
+        + ":",
+        "",
+        *curve_table(logs, seeds, warm[0] if warm else None, methods),
     ]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -57,28 +57,38 @@ def boundary(
     return len(never), out
 
 
-def curve_table(logs: dict, seeds: list[int], start_p1: float, methods: list[str]) -> list[str]:
+def curve_table(
+    logs: dict, seeds: list[int], start_p1: float | None, methods: list[str]
+) -> list[str]:
     """Test p@1 at every evaluation, mean over seeds (and each seed's RTI - GRPO gap), as markdown
-    lines; step 0 is the warm start's `start_p1`."""
+    lines; step 0 is the warm start's `start_p1` (no step 0 if None); "-" where a run has no
+    evaluation at a step (runs of different --steps or --eval-every)."""
+    start = {} if start_p1 is None else {0: start_p1}
     p1 = {
-        (name, s): {0: start_p1, **per_step(logs[(name, s)], "test/p@1")}
+        (name, s): {**start, **per_step(logs[(name, s)], "test/p@1")}
         for name in methods
         for s in seeds
     }
-    steps = sorted(set.intersection(*(set(v) for v in p1.values())))
+    steps = sorted(set.union(*(set(v) for v in p1.values())))
+
+    def cell(values: list[float | None], sign: str = "") -> str:
+        return "-" if None in values else f"{sum(values) / len(values):{sign}.2f}"
+
     lines = [
         "| p@1 at step | " + " | ".join(map(str, steps)) + " |",
         "| --- |" + " --- |" * len(steps),
     ]
     for name in methods:
-        means = [sum(p1[(name, s)][t] for s in seeds) / len(seeds) for t in steps]
-        lines.append(f"| {name} | " + " | ".join(f"{m:.2f}" for m in means) + " |")
+        cells = [cell([p1[(name, s)].get(t) for s in seeds]) for t in steps]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     if has_grpo_and_rti(methods):
         for s in seeds:
-            gaps = [p1[("RTI", s)][t] - p1[("GRPO", s)][t] for t in steps]
-            lines.append(
-                f"| RTI - GRPO, seed {s} | " + " | ".join(f"{g:+.2f}" for g in gaps) + " |"
-            )
+            rti_p1, grpo_p1 = p1[("RTI", s)], p1[("GRPO", s)]
+            gaps = [
+                cell([rti_p1[t] - grpo_p1[t]] if t in rti_p1 and t in grpo_p1 else [None], "+")
+                for t in steps
+            ]
+            lines.append(f"| RTI - GRPO, seed {s} | " + " | ".join(gaps) + " |")
     return lines
 
 

@@ -462,6 +462,11 @@ def test_equal_episodes_reads_runs_of_several_comparisons(tmp_path):
     dynamic = "| 0 | GRPO + dynamic sampling | 256 (0) | 2,560 (0) | 0 | 1.0 | 7.00 | 7.00 (1) |"
     assert dynamic + " 7.00 (1) |" in table
     assert "| 0 | RTI | 512 (0) | 5,120 (0) | 0 | 4.0 | 80.00 | 40.00 (2) | 40.00 (2) |" in table
+    # the curves over the union of the runs' evaluation steps, "-" where a run has none
+    assert "| p@1 at step | 1 | 2 | 4 |" in table
+    assert "| GRPO | - | 5.00 | 6.00 |" in table
+    assert "| GRPO + dynamic sampling | 7.00 | - | - |" in table
+    assert "| RTI - GRPO, seed 0 | - | +35.00 | +74.00 |" in table
     command = f"python -m extras.compare --equal-episodes {tmp_path / 'a'} {tmp_path / 'b'}"
     assert f"Command: `{command} --seeds 0 --out {out}`" in table[0]
     with pytest.raises(SystemExit, match=r"for every seed \[0, 1\]"):
