@@ -425,6 +425,7 @@ def token_losses(
         ref_kl = torch.exp(d) - d - 1
         if config.kl_coef > 0:
             loss = loss + config.kl_coef * ref_kl
+    loss = torch.where(trained, loss, zeros)
     return TokenLosses(loss, rho, w, adv, logp, old, beh, ref_kl, trained, inter)
 
 

@@ -27,6 +27,7 @@ from loss import (
     importance_ratios,
     loss_metrics,
     policy_loss,
+    token_losses,
     token_weights,
 )
 
@@ -393,6 +394,10 @@ def test_masked_tokens_get_exactly_zero_grad(cfg):
     assert torch.equal(lv.grad[mask == 0], torch.zeros_like(lv.grad[mask == 0]))
     assert (lv.grad[mask != 0] != 0).any()
     assert all(math.isfinite(v) for v in m.values())
+    # the per-token loss is 0 where a token is not trained, as TokenLosses says
+    terms = token_losses(lv.detach(), old, adv, mask.bool(), src, beh, ref, cfg)
+    assert torch.equal(terms.loss[mask == 0], torch.zeros_like(terms.loss[mask == 0]))
+    assert (terms.loss[mask != 0] != 0).any()
 
 
 def test_ratio_exactly_one_at_first_step():
