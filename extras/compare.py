@@ -227,9 +227,11 @@ def warm_boundary(
     out: Path, init: str, env: str, split: str, n_tasks: int, seed: int, threads: int
 ) -> tuple[dict, list[list[bool]]]:
     """The warm start on the first n_tasks tasks of env's `split` (the runs' --env, --test-split),
-    BOUNDARY_SAMPLES samples each: (summary, per-task successes), kept in warm_start_SPLIT.json so
-    that a resumed comparison does not sample them again."""
-    path = out / f"warm_start_{split}.json"
+    BOUNDARY_SAMPLES samples each: (summary, per-task successes), kept in warm_start_SPLIT.json
+    (warm_start_ENV_SPLIT.json for an env other than rti.Config's) so that a resumed comparison
+    does not sample them again."""
+    name = split if env == rti.Config.env else f"{env}_{split}"
+    path = out / f"warm_start_{name}.json"
     tasks = envs.env_tasks(env, split)[:n_tasks]
     cached = json.loads(path.read_text()) if path.exists() else None
     if cached and len(cached[1]) == len(tasks):

@@ -340,10 +340,11 @@ def test_the_warm_start_boundary_is_sampled_once(tmp_path):
     assert (
         list(compare.warm_boundary(tmp_path, "no/such/model", "navigation", "val", 2, 0, 1)) == warm
     )
-    # another number of tasks or split: sampled again, from the model
-    for split, n in (("val", 3), ("test", 2)):
+    # another number of tasks, split or env: sampled again, from the model
+    others = [("navigation", "val", 3), ("navigation", "test", 2), ("navigation-keys", "val", 2)]
+    for env, split, n in others:
         with pytest.raises(FileNotFoundError):
-            compare.warm_boundary(tmp_path, "no/such/model", "navigation", split, n, 0, 1)
+            compare.warm_boundary(tmp_path, "no/such/model", env, split, n, 0, 1)
 
 
 @pytest.mark.slow
