@@ -249,6 +249,8 @@ def warmstart(cfg: WarmStartConfig, log=print):
     """Supervised warm start on optimal `easy` trajectories: weighted next-token cross-entropy
     sum_t w_t CE_t / sum_t w_t (teacher_sequence's weights); saves model + tokenizer to
     cfg.ws_out."""
+    if not cfg.progress:
+        transformers_logging.disable_progress_bar()  # its "Loading weights" and "Writing" bars
     model, tok = load_model(cfg.model, cfg.seed, env=cfg.env)
     chat = Chat(tok, cfg.env)
     tasks = envs.Navigation.tasks(cfg.ws_split)
@@ -264,8 +266,6 @@ def warmstart(cfg: WarmStartConfig, log=print):
     t0 = time.time()
     losses = []
     batches = []
-    if not cfg.progress:
-        transformers_logging.disable_progress_bar()  # its "Writing model shards" bar
     bar = tqdm(range(cfg.ws_steps), desc="warm start", disable=not cfg.progress, file=sys.stderr)
     for step in bar:
         if not batches:
