@@ -240,8 +240,13 @@ def corrector_note(case: StepUnderReview, sees: str) -> str:
     of the hint (`evidence`: what the grader knows, e.g. Navigation's remaining shortest path)."""
     if sees == "hint":
         return format_hint(case.reason, case.env.hint())
-    why = case.reason.removesuffix(" ; " + case.env.hint())
-    return format_hint(why, case.env.evidence())
+    return format_hint(reason_without_hint(case), case.env.evidence())
+
+
+def reason_without_hint(case: StepUnderReview) -> str:
+    """The validator's reason without the hint it may end with ('wrong move ; next A 1 4 do route'
+    -> 'wrong move'): what a note that names another action keeps of it."""
+    return case.reason.removesuffix(" ; " + case.env.hint())
 
 
 class RuleCorrector(Role):

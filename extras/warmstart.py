@@ -221,7 +221,7 @@ def follow_note(case: intervene.StepUnderReview, sees: str, phrase: str) -> str:
     'next A 1 4 do route' becomes 'next A 1 4 do PHRASE'; the evidence 'next A 1 4 path up' gets
     ' do PHRASE' after it (as a keys task's evidence names its tool)."""
     hint = case.env.hint()
-    why = case.reason.removesuffix(hint).removesuffix(" ; ")
+    why = intervene.reason_without_hint(case)
     if sees == "hint" or case.env.evidence() == hint:  # the evidence hides nothing: the hint
         named = hint.removesuffix(case.env.optimal_action()) + phrase
     else:
