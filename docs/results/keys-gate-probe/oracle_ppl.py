@@ -44,6 +44,9 @@ def oracle_episode(chat: Chat, task) -> tuple[list[int], list[bool], list[bool]]
 
 for model_dir in sys.argv[1:]:
     model, tok = load_model(model_dir)
+    if tok.unk_token_id in tok("find key door locked").input_ids:
+        print(f"{model_dir}: its tokenizer lacks the keys words (not built for navigation-keys)")
+        continue
     policy = Sampler(model, tok, seed=0, env="navigation-keys")
     chat = policy.chat
     tasks = envs.env_tasks("navigation-keys", "val")
