@@ -106,6 +106,15 @@ class WarmStartConfig(rti.Config):
             " policy does, even one it has never written as the agent"
         },
     )
+    ws_follow_tools: bool = field(
+        default=False,
+        metadata={
+            "help": "the phrase a --ws-follow-frac note names is one of --env's tool calls that"
+            " Navigation lacks (navigation-keys: `find key`) instead of a random one: the policy"
+            " learns to write the tool when a note names it, as an LLM agent knows a tool from its"
+            " schema, and never sees a task that needs it"
+        },
+    )
     ws_obs_weight: float = field(
         default=1.0,
         metadata={"help": "weight of the auxiliary next-token loss on observation tokens"},
@@ -135,6 +144,12 @@ class WarmStartConfig(rti.Config):
         loss.require(self, "ws_route_frac", 0 <= self.ws_route_frac <= 1, "must be in [0, 1]")
         for name in ("ws_evidence_frac", "ws_copy_frac", "ws_follow_frac"):
             loss.require(self, name, 0 <= getattr(self, name) <= 1, "must be in [0, 1]")
+        loss.require(
+            self,
+            "ws_follow_tools",
+            not self.ws_follow_tools or bool(new_tool_calls(self.env)),
+            f"--env {self.env} has no tool call that Navigation lacks",
+        )
         super().validate()
 
 
@@ -154,6 +169,7 @@ def teacher_sequence(
     follow_frac: float = 0.0,
     words: tuple[str, ...] = (),
     banned: frozenset[str] = frozenset(),
+    phrases: tuple[str, ...] = (),
 ):
     """Token ids and per-token loss weights of a teacher's successful episode for `task`.
 
@@ -167,8 +183,8 @@ def teacher_sequence(
     (intervene.corrector_note); holding no route, the teacher then copies the path's first move in
     a share `copy_frac` of them and calls `route` in the others, so the policy, as a corrector
     shown evidence, sometimes writes a step its context cannot justify. A share `follow_frac` of
-    the hint blocks name a random phrase of 1-3 `words`, never one of `banned`, instead of the
-    action (follow_note); the teacher writes it (the env answers 'error unknown action' and the
+    the hint blocks name a random phrase of 1-3 `words`, never one of `banned` (or one of
+    `phrases`, if given), instead of the action (follow_note); the teacher writes it (the env answers 'error unknown action' and the
     teacher goes on): the policy learns to write what its note names.
     """
     env = envs.Navigation(replace(task, max_turns=envs.MAX_NUMBER))
@@ -194,7 +210,7 @@ def teacher_sequence(
                     action = env.shortest_moves()[0]  # copied from the evidence: a leak
             note = intervene.corrector_note(case, sees)
             if follow_frac and rng.random() < follow_frac:
-                action = random_phrase(rng, words, banned)
+                action = rng.choice(phrases) if phrases else random_phrase(rng, words, banned)
                 note = follow_note(case, sees, action)
             hinted = piece(content + " " + note)
             n_hint = len(hinted) - len(plain)
@@ -229,6 +245,12 @@ def follow_note(case: intervene.StepUnderReview, sees: str, phrase: str) -> str:
     return intervene.format_hint(why, named)
 
 
+def new_tool_calls(env: str) -> tuple[str, ...]:
+    """The tool calls of `env` that plain Navigation lacks (navigation-keys: 'find key')."""
+    navigation = set(envs.Navigation.TOOL_CALLS)
+    return tuple(a for a in envs.env_class(env).TOOL_CALLS if a not in navigation)
+
+
 def random_phrase(rng: random.Random, words: tuple[str, ...], banned: frozenset[str]) -> str:
     """1 to 3 words drawn uniformly from `words`, e.g. 'key 7 up', redrawn while one of
     `banned`."""
@@ -258,6 +280,7 @@ def warmstart(cfg: WarmStartConfig, log=print):
     env_cls = envs.env_class(cfg.env)
     words = tuple(w for w in env_cls.vocabulary() if w not in envs.SEPARATORS)
     banned = frozenset(env_cls.TOOL_CALLS)
+    phrases = new_tool_calls(cfg.env) if cfg.ws_follow_tools else ()
     rng = random.Random(cfg.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.ws_lr, weight_decay=0.0)
     schedule = functools.partial(lr_factor, steps=cfg.ws_steps)
@@ -283,6 +306,7 @@ def warmstart(cfg: WarmStartConfig, log=print):
                     cfg.ws_follow_frac,
                     words,
                     banned,
+                    phrases,
                 )
                 for _ in range(8 * cfg.ws_batch)
             ]

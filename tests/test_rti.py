@@ -25,6 +25,7 @@ from policy import (
     Qwen3Config,
     Qwen3ForCausalLM,
     Sampler,
+    build_tiny_tokenizer,
     load_model,
     pad_rows,
     token_logprobs,
@@ -766,3 +767,31 @@ def test_teacher_writes_the_random_phrase_its_note_names(tiny, sees):
             target = close - text[close::-1].index("next")  # the note's last 'next ...'
             shown = sees == "evidence" and text[target + 1] != "finish"  # the end: no path
             assert ("path" in text[target:close]) == shown
+
+
+def test_teacher_writes_the_new_tool_its_note_names_with_follow_tools(capsys):
+    """ws_follow_tools: the phrase a note names is the tool navigation-keys adds ('find key'),
+    which the teacher writes after 'do' (plain Navigation answers it as an unknown action); an env
+    that adds no tool is refused naming the flag."""
+    chat = Chat(build_tiny_tokenizer("navigation-keys"), "navigation-keys")
+    phrases = warmstart.new_tool_calls("navigation-keys")
+    assert phrases == ("find key",)
+    ids, _ = warmstart.teacher_sequence(
+        chat,
+        easy_tasks(1)[0],
+        random.Random(0),
+        hint_frac=1.0,
+        obs_weight=0.5,
+        route_frac=0.0,
+        follow_frac=0.5,
+        words=("wall", "hit"),
+        phrases=phrases,
+    )
+    actions = teacher_actions_of(chat, ids)
+    followed = [a for a in actions if a not in envs.ACTIONS]
+    assert followed and set(followed) == {"find key"} and actions[-1] == "finish"
+    text = " ".join(chat.tok.convert_ids_to_tokens(ids))
+    assert text.count("do find key </hint>") == len(followed)
+    with pytest.raises(SystemExit):
+        warmstart.main(["--ws-follow-tools", "--ws-follow-frac", "0.5", "--ws-steps", "1"])
+    assert "--ws-follow-tools: --env navigation has no tool call" in capsys.readouterr().err
