@@ -97,6 +97,8 @@ MECHANICS = [
     ("train success, sampled (%)", "GRPO", "train_success", 100),
     ("train success, sampled (%)", "RTI", "train_success", 100),
     ("train success after intervention (%)", "RTI", "train_success_after_rti", 100),
+    ("groups whose every sampled episode failed (%)", "GRPO", "groups_all_failed", 100),
+    ("groups whose every sampled episode failed (%)", "RTI", "groups_all_failed", 100),
     ("groups triggered (%)", "RTI", "rti/trigger_rate", 100),
     ("trained rows a step", "GRPO", "trained_rows", 1),
     ("trained rows a step", "RTI", "trained_rows", 1),

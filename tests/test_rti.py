@@ -464,6 +464,7 @@ def test_one_training_step_changes_the_parameters(tmp_path):
     opt = torch.optim.AdamW(policy.model.parameters(), lr=cfg.lr)
     m = rti.train_step(policy, opt, envs.make_tasks("easy")[:2], cfg)
     assert m["train_success"] == 0.0 and m["train_success_after_rti"] > 0
+    assert m["groups_all_failed"] == 1.0  # counted before the intervention
     assert m["rti/intervened"] == 4 and m["train_success_after_rti"] == 0.5
     assert m["trained_rows"] == 8
     assert not torch.equal(before, params(policy.model))
@@ -671,6 +672,8 @@ def test_dynamic_sampling_fills_the_batch_with_groups_that_have_a_spread(monkeyp
     assert [t.task for t in trajs] == ["b", "b", "g", "g", "h", "h"]
     assert [t.group for t in trajs] == [0, 0, 1, 1, 2, 2]  # groups of different rounds stay apart
     assert metrics["sampled_episodes"] == 18 and metrics["generated_tokens"] == 90
+    # the groups in which every sampled episode failed: 2 + 3 + 0 of the 9 sampled
+    assert metrics["groups_all_failed"] == 5 / 9
 
 
 def test_dynamic_sampling_stops_at_its_cap_with_a_short_batch(monkeypatch):
