@@ -493,6 +493,12 @@ class Fix:
     rewrite: Rewrite
 
 
+def failed_groups(trajs: list[Episode], groups: dict[int, list[int]]) -> list[int]:
+    """The ids of the groups (`groups`: loss.group_rows of the trajectories' groups) in which no
+    trajectory succeeded, max reward <= 0: RTI's trigger, and where GRPO learns nothing."""
+    return [g for g, rows in groups.items() if max(trajs[i].reward for i in rows) <= 0]
+
+
 class Intervention:
     """The roles of one RTIConfig (built on `policy`) applied to one batch, and the counts they add
     up in `stats` (the keys evaluate.RATES reads)."""
@@ -511,7 +517,7 @@ class Intervention:
         (max reward <= 0), every one (paired) or the first intervene_per_group (replace; 0 = half
         the group, at least 1)."""
         groups = group_rows([t.group for t in trajs])
-        triggered = [g for g, rows in groups.items() if max(trajs[i].reward for i in rows) <= 0]
+        triggered = failed_groups(trajs, groups)
         chosen = []
         for g in triggered:
             rows = groups[g]

@@ -253,8 +253,8 @@ def sample_batch(
     last round are dropped) or --max-sampling-rounds rounds have run; the batch may then be short.
     Metrics: sampled and continued episodes, generated tokens (the policy's, every role included),
     rounds, the rollout's success, the share of its groups in which every episode failed (before
-    any intervention: where GRPO learns nothing), and RTI's counts summed over the rounds. The rollout is
-    `method`'s (default `rollout`)."""
+    any intervention: where GRPO learns nothing), and RTI's counts summed over the rounds. The
+    rollout is `method`'s (default `rollout`)."""
     method = method or Method()
     target = len(tasks)
     rounds = cfg.max_sampling_rounds if cfg.dynamic_sampling else 1
@@ -262,7 +262,7 @@ def sample_batch(
     sampled = []  # every rollout episode of every round
     groups = []  # the batch, group by group (dynamic sampling)
     counts = Counter()  # RTI's counts, summed over rounds
-    failed_groups = sampled_groups = 0  # groups whose every sampled episode failed, and all
+    n_failed = n_groups = 0  # the rollout's groups in which every episode failed, and all of them
     rollout_seconds = 0.0
     intervene_seconds = 0.0
     for round_index in range(rounds):
@@ -272,9 +272,9 @@ def sample_batch(
         trajs = method.rollout(policy, tasks, cfg, round_seed(seed, round_index))
         rolled_out = time.time()
         sampled += trajs
-        sampled_rows = group_rows([t.group for t in trajs]).values()
-        failed_groups += sum(max(trajs[i].reward for i in rows) == 0 for rows in sampled_rows)
-        sampled_groups += len(sampled_rows)
+        sampled_rows = group_rows([t.group for t in trajs])
+        n_failed += len(intervene.failed_groups(trajs, sampled_rows))
+        n_groups += len(sampled_rows)
         if cfg.method == "rti":
             trajs, round_counts = intervene.intervene_batch(policy, trajs, cfg.rti, policy.make_env)
             counts.update(round_counts)
@@ -298,7 +298,7 @@ def sample_batch(
                 t.group = index
     metrics = {
         "train_success": float(np.mean([t.reward for t in sampled])),
-        "groups_all_failed": failed_groups / sampled_groups,
+        "groups_all_failed": n_failed / n_groups,
         "turns": float(np.mean([len(t.actions) for t in sampled])),
         # ints are summed over processes (Backend.reduce_metrics), floats averaged
         "sampled_episodes": len(sampled),
