@@ -223,15 +223,20 @@ def read_logs(folders: list, methods, seeds: list[int]) -> dict[tuple[str, int],
     return logs
 
 
+def warm_start_file(out: Path, env: str, split: str) -> Path:
+    """Where a comparison keeps its warm start's figures on env's `split`: warm_start_SPLIT.json,
+    warm_start_ENV_SPLIT.json for an env other than rti.Config's."""
+    name = split if env == rti.Config.env else f"{env}_{split}"
+    return out / f"warm_start_{name}.json"
+
+
 def warm_boundary(
     out: Path, init: str, env: str, split: str, n_tasks: int, seed: int, threads: int
 ) -> tuple[dict, list[list[bool]]]:
     """The warm start on the first n_tasks tasks of env's `split` (the runs' --env, --test-split),
-    BOUNDARY_SAMPLES samples each: (summary, per-task successes), kept in warm_start_SPLIT.json
-    (warm_start_ENV_SPLIT.json for an env other than rti.Config's) so that a resumed comparison
-    does not sample them again."""
-    name = split if env == rti.Config.env else f"{env}_{split}"
-    path = out / f"warm_start_{name}.json"
+    BOUNDARY_SAMPLES samples each: (summary, per-task successes), kept in warm_start_file so that
+    a resumed comparison does not sample them again."""
+    path = warm_start_file(out, env, split)
     tasks = envs.env_tasks(env, split)[:n_tasks]
     cached = json.loads(path.read_text()) if path.exists() else None
     if cached and len(cached[1]) == len(tasks):
@@ -269,8 +274,8 @@ def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[s
     if not table:
         raise SystemExit("these runs' logs record no compute (total/episodes): runs of older code")
     command = command_line(seeds, out_dir, equal_episodes=folders)
-    warm = [Path(f) / "warm_start_test.json" for f in folders]
-    warm = [json.loads(path.read_text())[0]["p@1"] for path in warm if path.exists()]
+    warm_files = [warm_start_file(Path(f), rti.Config.env, "test") for f in folders]
+    warm = [json.loads(path.read_text())[0]["p@1"] for path in warm_files if path.exists()]
     lines = [
         f"Per seed and method at equal sampled episodes and at equal tokens, a teacher's counted "
         f"with the policy's: each run's last test evaluation within the seed's smallest final "

@@ -106,7 +106,8 @@ def plot_curves(
 def plot_compute(logs: dict, out, seeds: list[int], methods, split: str = "test") -> None:
     """fig8: test p@1 against the compute spent: sampled episodes (RTI's continuations and a
     teacher's included), tokens generated (by the policy or a teacher), and training minutes; one
-    line per run, a colour per method, so that RTI's extra work per step is visible. `logs`: {(method, seed): metrics log}."""
+    line per run, a colour per method, so that RTI's extra work per step is visible. `logs`:
+    {(method, seed): metrics log}."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
     labels = ("sampled episodes", "generated tokens", "training minutes")

@@ -184,8 +184,9 @@ def teacher_sequence(
     a share `copy_frac` of them and calls `route` in the others, so the policy, as a corrector
     shown evidence, sometimes writes a step its context cannot justify. A share `follow_frac` of
     the hint blocks name a random phrase of 1-3 `words`, never one of `banned` (or one of
-    `phrases`, if given), instead of the action (follow_note); the teacher writes it (the env answers 'error unknown action' and the
-    teacher goes on): the policy learns to write what its note names.
+    `phrases`, if given), instead of the action (follow_note); the teacher writes it (the env
+    answers 'error unknown action' and the teacher goes on): the policy learns to write what its
+    note names.
     """
     env = envs.Navigation(replace(task, max_turns=envs.MAX_NUMBER))
     content = env.reset()
