@@ -41,6 +41,7 @@ from extras.compare_report import (
     compute_table,
     corrections_written,
     curve_table,
+    family_report,
     has_grpo_and_rti,
     mechanics_table,
     training_minutes,
@@ -182,6 +183,7 @@ def compare(
     logs = read_logs([out], methods, seeds)
     command = command_line(seeds, out_dir, quick, jobs, extra, methods, grpo_lr=grpo_lr)
     curves = curve_table(logs, seeds, warm[0]["p@1"], methods)
+    curves += family_report(logs, seeds, methods)
     minutes = training_minutes(logs, seeds, methods)
     compute = compute_table(logs, seeds, methods)
     if not has_grpo_and_rti(methods):
@@ -230,6 +232,13 @@ def warm_start_file(out: Path, env: str, split: str) -> Path:
     return out / f"warm_start_{name}.json"
 
 
+def runs_env(folders: list) -> str:
+    """The --env the runs in `folders` were trained on (the first results.json's), rti.Config's
+    if no run has finished."""
+    found = [path for f in folders for path in sorted(Path(f).glob("*/results.json"))]
+    return json.loads(found[0].read_text())["config"]["env"] if found else rti.Config.env
+
+
 def warm_boundary(
     out: Path, init: str, env: str, split: str, n_tasks: int, seed: int, threads: int
 ) -> tuple[dict, list[list[bool]]]:
@@ -274,7 +283,8 @@ def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[s
     if not table:
         raise SystemExit("these runs' logs record no compute (total/episodes): runs of older code")
     command = command_line(seeds, out_dir, equal_episodes=folders)
-    warm_files = [warm_start_file(Path(f), rti.Config.env, "test") for f in folders]
+    env = runs_env(folders)
+    warm_files = [warm_start_file(Path(f), env, "test") for f in folders]
     warm = [json.loads(path.read_text())[0]["p@1"] for path in warm_files if path.exists()]
     lines = [
         f"Per seed and method at equal sampled episodes and at equal tokens, a teacher's counted "
@@ -288,6 +298,7 @@ def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[s
         + ":",
         "",
         *curve_table(logs, seeds, warm[0] if warm else None, methods),
+        *family_report(logs, seeds, methods),
     ]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -57,18 +57,29 @@ def boundary(
     return len(never), out
 
 
+def family_keys(logs: dict) -> list[str]:
+    """The metrics keys of each task family's test p@1 ("test/<family>/p@1") in `logs`, in order
+    of first appearance; [] for an environment of one family."""
+    keys = {}
+    for rows in logs.values():
+        for r in rows:
+            keys.update({k: None for k in r if k.startswith("test/") and k.count("/") == 2})
+    return [k for k in keys if k.endswith("/p@1")]
+
+
 def curve_table(
-    logs: dict, seeds: list[int], start_p1: float | None, methods: list[str]
+    logs: dict,
+    seeds: list[int],
+    start_p1: float | None,
+    methods: list[str],
+    key: str = "test/p@1",
 ) -> list[str]:
-    """Test p@1 at every evaluation, mean over seeds (and each seed's RTI - GRPO gap), as markdown
-    lines; step 0 is the warm start's `start_p1` (no step 0 if None); "-" where a run has no
-    evaluation at a step (runs of different --steps or --eval-every)."""
+    """Test p@1 (or another metrics `key`, e.g. a family's) at every evaluation, mean over seeds
+    (and each seed's RTI - GRPO gap), as markdown lines; step 0 is the warm start's `start_p1` (no
+    step 0 if None); "-" where a run has no evaluation at a step (runs of different --steps or
+    --eval-every)."""
     start = {} if start_p1 is None else {0: start_p1}
-    p1 = {
-        (name, s): {**start, **per_step(logs[(name, s)], "test/p@1")}
-        for name in methods
-        for s in seeds
-    }
+    p1 = {(name, s): {**start, **per_step(logs[(name, s)], key)} for name in methods for s in seeds}
     steps = sorted(set.union(*(set(v) for v in p1.values())))
 
     def cell(values: list[float | None], sign: str = "") -> str:
@@ -235,10 +246,23 @@ def eval_points(rows: list[dict]) -> list[EvalPoint]:
     return points
 
 
+def within(run: list[EvalPoint], budget: float, spent) -> EvalPoint | None:
+    """The run's last evaluation with spent(point) <= budget, None if none."""
+    points = [p for p in run if spent(p) <= budget]
+    return points[-1] if points else None
+
+
 def matched(run: list[EvalPoint], budget: float, spent) -> str:
     """p@1 (step) of the run's last evaluation with spent(point) <= budget, "-" if none."""
-    within = [p for p in run if spent(p) <= budget]
-    return f"{within[-1].p1:.2f} ({within[-1].step})" if within else "-"
+    point = within(run, budget, spent)
+    return f"{point.p1:.2f} ({point.step})" if point else "-"
+
+
+def episode_budget(points: dict, methods, seed: int) -> int:
+    """The seed's smallest final count of sampled episodes (the teacher's included) over
+    `methods`: the budget "at equal episodes" reads every run at. `points`: {(method, seed):
+    eval_points of its log}."""
+    return min(points[(name, seed)][-1].episodes for name in methods)
 
 
 def compute_table(logs: dict, seeds: list[int], methods) -> list[str]:
@@ -263,18 +287,61 @@ def compute_table(logs: dict, seeds: list[int], methods) -> list[str]:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for s in seeds:
-        episode_budget = min(points[(name, s)][-1].episodes for name in methods)
+        budget = episode_budget(points, methods, s)
         token_budget = min(tokens(points[(name, s)][-1]) for name in methods)
         for name in methods:
             run = points[(name, s)]
             end = run[-1]
-            at_episodes = matched(run, episode_budget, lambda p: p.episodes)
+            at_episodes = matched(run, budget, lambda p: p.episodes)
             at_tokens = matched(run, token_budget, tokens)
             lines.append(
                 f"| {s} | {name} | {end.episodes:,} ({end.teacher_episodes:,}) | {end.tokens:,} "
                 f"({end.teacher_tokens:,}) | {end.scored:,} | {end.minutes:.1f} | {end.p1:.2f} | "
                 f"{at_episodes} | {at_tokens} |"
             )
+    return lines
+
+
+def family_table(logs: dict, seeds: list[int], methods) -> list[str]:
+    """Each task family's test p@1 per method at equal sampled episodes (compute_table's reading:
+    the last evaluation within the seed's episode_budget), mean over seeds with each seed's and
+    its step in brackets; [] when the logs have one family or record no compute. split_table
+    gives the families at the end."""
+    points = {run: eval_points(rows) for run, rows in logs.items()}
+    families = family_keys(logs)
+    if not families or not all(points.get((name, s)) for name in methods for s in seeds):
+        return []
+    titles = [f"test, {key.split('/')[1]}, at equal episodes" for key in families]
+    lines = ["| method | " + " | ".join(titles) + " |", "|" + " --- |" * (len(titles) + 1)]
+    for name in methods:
+        at = [
+            within(points[(name, s)], episode_budget(points, methods, s), lambda p: p.episodes)
+            for s in seeds
+        ]
+        cells = []
+        for key in families:
+            if None in at:
+                cells.append("-")
+                continue
+            xs = [per_step(logs[(name, s)], key)[p.step] for s, p in zip(seeds, at)]
+            each = ", ".join(f"{x:.2f} at {p.step}" for x, p in zip(xs, at))
+            cells.append(f"{mean_std(xs)[0]:.2f} ({each})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def family_report(logs: dict, seeds: list[int], methods) -> list[str]:
+    """For an environment of several task families, markdown lines after the overall p@1 curve:
+    each family's curve (curve_table) and its p@1 at equal episodes (family_table); [] for one
+    family."""
+    lines = []
+    for key in family_keys(logs):
+        family = key.split("/")[1]
+        curve = curve_table(logs, seeds, None, methods, key)
+        lines += ["", f"p@1 on the {family} tasks over training, mean over seeds:", "", *curve]
+    equal = family_table(logs, seeds, methods)
+    if equal:
+        lines += ["", "p@1 per task family at equal sampled episodes:", "", *equal]
     return lines
 
 

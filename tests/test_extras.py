@@ -414,6 +414,34 @@ def test_compute_table_compares_methods_at_equal_sampled_episodes():
     assert compare_report.compute_table(logs, [0], ["GRPO", "RTI"]) == []
 
 
+def test_family_report_reads_each_family_over_training_and_at_equal_episodes():
+    """Each family's curve, and its p@1 where compute_table reads the run: RTI, sampling twice
+    GRPO's episodes a step, at step 2 (GRPO's budget), GRPO at its end."""
+    logs = {
+        ("GRPO", 0): compute_log(64, {2: 5.0, 4: 6.0}),
+        ("RTI", 0): compute_log(128, {2: 40.0, 4: 80.0}),
+    }
+    families = {("GRPO", 0): {2: (8, 1), 4: (9, 3)}, ("RTI", 0): {2: (50, 20), 4: (90, 70)}}
+    for run, by_step in families.items():
+        for row in logs[run]:
+            if "test/p@1" in row:
+                plain, keys = by_step[row["step"]]
+                row.update({"test/plain/p@1": plain, "test/keys/p@1": keys, "test/keys/n": 4})
+    assert compare_report.family_keys(logs) == ["test/plain/p@1", "test/keys/p@1"]
+    lines = compare_report.family_report(logs, [0], ["GRPO", "RTI"])
+    assert "| GRPO | 1.00 | 3.00 |" in lines and "| RTI | 20.00 | 70.00 |" in lines  # keys curve
+    assert "| RTI - GRPO, seed 0 | +19.00 | +67.00 |" in lines
+    table = lines[lines.index("p@1 per task family at equal sampled episodes:") + 2 :]
+    assert table[0] == "| method | test, plain, at equal episodes | test, keys, at equal episodes |"
+    assert table[2] == "| GRPO | 9.00 (9.00 at 4) | 3.00 (3.00 at 4) |"
+    assert table[3] == "| RTI | 50.00 (50.00 at 2) | 20.00 (20.00 at 2) |"
+    one_family = {
+        run: [{k: v for k, v in r.items() if k.count("/") < 2} for r in rows]
+        for run, rows in logs.items()
+    }
+    assert compare_report.family_report(one_family, [0], ["GRPO", "RTI"]) == []
+
+
 def test_compute_table_counts_the_teachers_episodes_and_tokens():
     """A teacher's episodes and generated tokens add to the policy's, and the tokens it scores
     count at equal tokens: a method whose teacher doubles its compute is read at half its steps."""
