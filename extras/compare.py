@@ -44,6 +44,7 @@ from extras.compare_report import (
     family_report,
     has_grpo_and_rti,
     mechanics_table,
+    split_section,
     training_minutes,
     write_report,
 )
@@ -212,17 +213,25 @@ def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
 
-def read_logs(folders: list, methods, seeds: list[int]) -> dict[tuple[str, int], list[dict]]:
-    """Every run's metrics.jsonl, read once for the report's tables and figures: the run of
-    (method, seed) from the first of `folders` that holds it; a run found in none is left out."""
-    logs = {}
-    for name in methods:
+def run_files(folders: list, methods, seeds: list[int], name: str) -> dict[tuple[str, int], Path]:
+    """Each run's file `name` (metrics.jsonl, results.json): the run of (method, seed) from the
+    first of `folders` that holds it; a run found in none is left out."""
+    files = {}
+    for method in methods:
         for seed in seeds:
-            paths = [Path(f) / f"{slug(name)}-s{seed}" / "metrics.jsonl" for f in folders]
+            paths = [Path(f) / f"{slug(method)}-s{seed}" / name for f in folders]
             found = [path for path in paths if path.exists()]
             if found:
-                logs[(name, seed)] = read_jsonl(found[0])
-    return logs
+                files[(method, seed)] = found[0]
+    return files
+
+
+def read_logs(folders: list, methods, seeds: list[int]) -> dict[tuple[str, int], list[dict]]:
+    """Every run's metrics.jsonl (run_files), read once for the report's tables and figures."""
+    return {
+        run: read_jsonl(path)
+        for run, path in run_files(folders, methods, seeds, "metrics.jsonl").items()
+    }
 
 
 def warm_start_file(out: Path, env: str, split: str) -> Path:
@@ -271,10 +280,11 @@ def warm_batch(model_dir, env: str, split: str, seed: int = 0, n_tasks: int = 32
 
 
 def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[str]:
-    """The compute table (compute_table) and the p@1 curves (curve_table) over the runs of earlier
-    comparisons, wherever they lie: every method of CHOICES with a metrics log for each seed in one
-    of `folders` (the first folder holding it wins), written to out_dir/equal_episodes.md with the
-    command that made it."""
+    """The compute table (compute_table), the p@1 curves (curve_table, and each task family's) and,
+    when every run has its results.json, the p@1 by split and family at the end (split_section),
+    over the runs of earlier comparisons, wherever they lie: every method of CHOICES with a metrics
+    log for each seed in one of `folders` (the first folder holding it wins), written to
+    out_dir/equal_episodes.md with the command that made it."""
     logs = read_logs(folders, CHOICES, seeds)
     methods = [name for name in CHOICES if all((name, s) in logs for s in seeds)]
     if not methods:
@@ -282,6 +292,9 @@ def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[s
     table = compute_table(logs, seeds, methods)
     if not table:
         raise SystemExit("these runs' logs record no compute (total/episodes): runs of older code")
+    found = run_files(folders, methods, seeds, "results.json")
+    results = {run: json.loads(path.read_text()) for run, path in found.items()}
+    complete = len(results) == len(methods) * len(seeds)
     command = command_line(seeds, out_dir, equal_episodes=folders)
     env = runs_env(folders)
     warm_files = [warm_start_file(Path(f), env, "test") for f in folders]
@@ -300,6 +313,7 @@ def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[s
         *curve_table(logs, seeds, warm[0] if warm else None, methods),
         *family_report(logs, seeds, methods),
     ]
+    lines += split_section(results, seeds) if complete else []
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "equal_episodes.md").write_text("\n".join(lines) + "\n")

@@ -369,6 +369,13 @@ def split_table(results: dict, seeds: list[int]) -> list[str]:
     return lines
 
 
+def split_section(results: dict, seeds: list[int]) -> list[str]:
+    """split_table with its title, as report lines; [] when it is empty."""
+    table = split_table(results, seeds)
+    title = "p@1 after training by split and task family, mean (seeds):"
+    return ["", title, "", *table] if table else []
+
+
 def write_report(
     results: dict,
     warm: tuple,
@@ -414,9 +421,7 @@ def write_report(
     for name in methods_of(results):
         std = f"{spread[name]:.2f}" if len(seeds) > 1 else "-"
         lines.append(f"| {name} | {std} | {never[name]:.1f} |")
-    by_split = split_table(results, seeds)
-    if by_split:
-        lines += ["", "p@1 after training by split and task family, mean (seeds):", "", *by_split]
+    lines += split_section(results, seeds)
     gap = []
     if has_grpo_and_rti(methods_of(results)):
         gap = [

@@ -498,6 +498,20 @@ def test_equal_episodes_reads_runs_of_several_comparisons(tmp_path):
     assert "| RTI - GRPO, seed 0 | - | +35.00 | +74.00 |" in table
     command = f"python -m extras.compare --equal-episodes {tmp_path / 'a'} {tmp_path / 'b'}"
     assert f"Command: `{command} --seeds 0 --out {out}`" in table[0]
+    # the p@1 by split and family at the end, once every run has its results.json
+    assert "p@1 after training by split and task family, mean (seeds):" not in table
+    for folder, name in (("a", "GRPO"), ("a", "RTI"), ("b", "GRPO + dynamic sampling")):
+        after = {"p@1": 50.0, "keys/p@1": 10.0 if name == "GRPO" else 30.0}
+        results = tmp_path / folder / f"{compare.slug(name)}-s0" / "results.json"
+        results.write_text(json.dumps({"after": after, "config": {"env": "navigation"}}))
+    compare.main(
+        ["--equal-episodes", str(tmp_path / "a"), str(tmp_path / "b"), "--seeds", "0"]
+        + ["--out", str(out)]
+    )
+    table = (out / "equal_episodes.md").read_text().splitlines()
+    assert "| method | test | test, keys |" in table
+    assert "| GRPO | 50.00 (50.00) | 10.00 (10.00) |" in table
+    assert "| RTI | 50.00 (50.00) | 30.00 (30.00) |" in table
     with pytest.raises(SystemExit, match=r"for every seed \[0, 1\]"):
         compare.main(["--equal-episodes", str(tmp_path / "a"), "--seeds", "0", "1"])
 
