@@ -241,13 +241,6 @@ def warm_start_file(out: Path, env: str, split: str) -> Path:
     return out / f"warm_start_{name}.json"
 
 
-def runs_env(folders: list) -> str:
-    """The --env the runs in `folders` were trained on (the first results.json's), rti.Config's
-    if no run has finished."""
-    found = [path for f in folders for path in sorted(Path(f).glob("*/results.json"))]
-    return json.loads(found[0].read_text())["config"]["env"] if found else rti.Config.env
-
-
 def warm_boundary(
     out: Path, init: str, env: str, split: str, n_tasks: int, seed: int, threads: int
 ) -> tuple[dict, list[list[bool]]]:
@@ -296,7 +289,8 @@ def equal_episodes(folders: list[str], seeds: list[int], out_dir: str) -> list[s
     results = {run: json.loads(path.read_text()) for run, path in found.items()}
     complete = len(results) == len(methods) * len(seeds)
     command = command_line(seeds, out_dir, equal_episodes=folders)
-    env = runs_env(folders)
+    # the runs' --env, for the warm start's file (rti.Config's if no run has finished)
+    env = next(iter(results.values()))["config"]["env"] if results else rti.Config.env
     warm_files = [warm_start_file(Path(f), env, "test") for f in folders]
     warm = [json.loads(path.read_text())[0]["p@1"] for path in warm_files if path.exists()]
     lines = [

@@ -57,14 +57,18 @@ def boundary(
     return len(never), out
 
 
+def is_family_p1(key: str) -> bool:
+    return key.startswith("test/") and key.endswith("/p@1") and key.count("/") == 2
+
+
 def family_keys(logs: dict) -> list[str]:
     """The metrics keys of each task family's test p@1 ("test/<family>/p@1") in `logs`, in order
     of first appearance; [] for an environment of one family."""
     keys = {}
     for rows in logs.values():
         for r in rows:
-            keys.update({k: None for k in r if k.startswith("test/") and k.count("/") == 2})
-    return [k for k in keys if k.endswith("/p@1")]
+            keys.update({k: None for k in r if is_family_p1(k)})
+    return list(keys)
 
 
 def curve_table(
@@ -313,11 +317,9 @@ def family_table(logs: dict, seeds: list[int], methods) -> list[str]:
         return []
     titles = [f"test, {key.split('/')[1]}, at equal episodes" for key in families]
     lines = ["| method | " + " | ".join(titles) + " |", "|" + " --- |" * (len(titles) + 1)]
+    budgets = {s: episode_budget(points, methods, s) for s in seeds}
     for name in methods:
-        at = [
-            within(points[(name, s)], episode_budget(points, methods, s), lambda p: p.episodes)
-            for s in seeds
-        ]
+        at = [within(points[(name, s)], budgets[s], lambda p: p.episodes) for s in seeds]
         cells = []
         for key in families:
             if None in at:
