@@ -145,6 +145,9 @@ KEY_SPLITS = {
     # out of distribution: two doors and two keys a task, a combination train never has
     "ood": KeySplitSpec(9, 9, 0.45, 4, 4, n=100, seed=14, key_share=1.0, doors=2),
 }
+# fit drawn at another keys share, to choose train's key_share on val: val (and test) keep the
+# spec's share, so every trial is judged on the same tasks
+SHARE_FITS = {"fit-share-0.1": 0.1, "fit-share-0.5": 0.5}
 
 
 def is_keys_task(i: int, key_share: float) -> bool:
@@ -451,11 +454,14 @@ class KeyNavigation(Navigation):
 
     @classmethod
     def splits(cls) -> list[str]:
-        return list(KEY_SPLITS) + list(CARVED)
+        return list(KEY_SPLITS) + list(CARVED) + list(SHARE_FITS)
 
     @classmethod
     def tasks(cls, split: str) -> list[KeyTask]:
-        """A split of KEY_SPLITS, or of CARVED (fit and val, parts of this env's train)."""
+        """A split of KEY_SPLITS, of CARVED (fit and val, parts of this env's train) or of
+        SHARE_FITS (fit's slice of train drawn at another key_share)."""
+        if split in SHARE_FITS:
+            return make_key_tasks("train", key_share=SHARE_FITS[split])[CARVED["fit"][1]]
         if split in CARVED:
             source, part = CARVED[split]
             return make_key_tasks(source)[part]

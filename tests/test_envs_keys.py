@@ -21,7 +21,14 @@ from envs import (
     run_actions,
 )
 from extras import navigation_keys
-from extras.navigation_keys import KEY_ACTIONS, KEY_SPLITS, KeyNavigation, KeyTask, make_key_tasks
+from extras.navigation_keys import (
+    KEY_ACTIONS,
+    KEY_SPLITS,
+    SHARE_FITS,
+    KeyNavigation,
+    KeyTask,
+    make_key_tasks,
+)
 
 STEP = {"move up": (-1, 0), "move down": (1, 0), "move left": (0, -1), "move right": (0, 1)}
 # a wall down column 2 with one gap, the door (1, 2); the key at (2, 0), off the way to A
@@ -95,7 +102,7 @@ def test_splits_are_deterministic_prefixes_with_the_spec_family_share(splits):
 
 
 def test_carved_splits_are_train_slices_and_splits_do_not_overlap(splits, monkeypatch):
-    assert KeyNavigation.splits() == ["train", "test", "ood", "fit", "val"]
+    assert KeyNavigation.splits() == ["train", "test", "ood", "fit", "val", *SHARE_FITS]
     assert envs.env_class("navigation-keys") is KeyNavigation
     monkeypatch.setattr(navigation_keys, "make_key_tasks", lambda split: splits[split])
     for name, (source, part) in CARVED.items():
@@ -107,6 +114,21 @@ def test_carved_splits_are_train_slices_and_splits_do_not_overlap(splits, monkey
 
     seen = [{key(t) for t in tasks} for tasks in splits.values()]
     assert not seen[0] & seen[1] and not seen[0] & seen[2] and not seen[1] & seen[2]
+
+
+def test_share_fits_are_fit_at_their_share_and_keep_val_out(splits):
+    fit = splits["train"][CARVED["fit"][1]]
+    val = {str(asdict(t)) for t in splits["train"][CARVED["val"][1]]}
+    for name, share in SHARE_FITS.items():
+        tasks = KeyNavigation.tasks(name)
+        assert [t.task_id for t in tasks] == [t.task_id for t in fit]
+        assert sum(t.family == "keys" for t in tasks) == int(len(fit) * share)
+        # a task keeps its draw when the share keeps its family: only the mix changes
+        same = [(a, b) for a, b in zip(tasks, fit) if a.family == b.family]
+        assert same and all(asdict(a) == asdict(b) for a, b in same)
+        assert not {str(asdict(t)) for t in tasks} & val
+        for t in tasks:
+            assert run_actions(t, optimal_actions(t)).score().success, t.task_id
 
 
 def test_oracle_solves_every_task_of_every_split(splits):
