@@ -73,6 +73,8 @@ BASELINES = {
     "OPD": "extras.opd",
 }
 CHOICES = [*METHODS, *BASELINES]
+# the baselines that learn from a teacher (--teacher)
+TEACHER_GUIDED = ("LUFFY", "OPD")
 # the budget of a run: past GRPO's plateau
 FULL = ["--steps", "48", "--eval-tasks", "150", "--eval-every", "8", "--save-every", "4"]
 QUICK = ["--steps", "4", "--eval-tasks", "30", "--eval-every", "0", "--batch-tasks", "4"]
@@ -84,6 +86,11 @@ BOUNDARY_TASKS_QUICK = 30
 def grpo_flags(name: str, grpo_lr: str) -> list[str]:
     """The learning rate of a GRPO method's runs (RTI's is rti.py's own)."""
     return ["--lr", grpo_lr] if METHODS.get(name, [])[:2] == ["--method", "grpo"] else []
+
+
+def teacher_flags(name: str, teacher: str) -> list[str]:
+    """The teacher of a teacher-guided method's runs ('' : the method's default one)."""
+    return ["--teacher", teacher] if teacher and name in TEACHER_GUIDED else []
 
 
 def program(name: str) -> list[str]:
@@ -121,6 +128,7 @@ def command_line(
     methods=tuple(METHODS),
     equal_episodes: list[str] = (),
     grpo_lr: str = GRPO_LR,
+    teacher: str = "",
 ) -> str:
     """The `python -m extras.compare` command that reproduces a comparison (or an
     --equal-episodes table), for its report."""
@@ -136,6 +144,7 @@ def command_line(
         *subset,
         *(["--jobs", str(jobs)] if jobs is not None else []),
         *(["--grpo-lr", grpo_lr] if grpo_lr != GRPO_LR else []),
+        *(["--teacher", teacher] if teacher else []),
         "--out",
         out_dir,
         *(["--", *extra] if extra else []),
@@ -151,9 +160,10 @@ def compare(
     extra: list[str],
     methods: list[str] = tuple(METHODS),
     grpo_lr: str = GRPO_LR,
+    teacher: str = "",
 ) -> dict:
     """Train each of `methods` (names of METHODS) for every seed from the same warm start, GRPO's
-    at learning rate `grpo_lr`, then write the table (markdown and CSV), the beyond-the-boundary
+    at learning rate `grpo_lr`, LUFFY's and OPD's from `teacher` (their default if ''), then write the table (markdown and CSV), the beyond-the-boundary
     counts and the figures under out_dir. Returns the per-run results."""
     # the runs' flags, checked (a bad one exits) before any run starts
     _, _, run_cfg = runtime.parse_args(extra, rti.Config)
@@ -163,7 +173,8 @@ def compare(
     budget = QUICK if quick else FULL
     work = [
         (
-            [*METHODS.get(name, []), *grpo_flags(name, grpo_lr), "--seed", str(seed)]
+            [*METHODS.get(name, []), *grpo_flags(name, grpo_lr), *teacher_flags(name, teacher)]
+            + ["--seed", str(seed)]
             + ["--no-eval-before", *budget, *extra],
             str(out / f"{slug(name)}-s{seed}"),
             str(out / f"{slug(name)}-s{seed}.log"),
@@ -182,7 +193,9 @@ def compare(
         run: json.loads((Path(w[1]) / "results.json").read_text()) for run, w in zip(runs, work)
     }
     logs = read_logs([out], methods, seeds)
-    command = command_line(seeds, out_dir, quick, jobs, extra, methods, grpo_lr=grpo_lr)
+    command = command_line(
+        seeds, out_dir, quick, jobs, extra, methods, grpo_lr=grpo_lr, teacher=teacher
+    )
     curves = curve_table(logs, seeds, warm[0]["p@1"], methods)
     curves += family_report(logs, seeds, methods)
     minutes = training_minutes(logs, seeds, methods)
@@ -347,6 +360,14 @@ def build_parser() -> argparse.ArgumentParser:
         "warmstart-evidence and warmstart, 3e-5 from warmstart-route0 (RTI keeps rti.py's)",
     )
     p.add_argument(
+        "--teacher",
+        default="",
+        metavar="DIR",
+        help=f"the teacher {', '.join(TEACHER_GUIDED)} learn from, a model with the policy's "
+        "tokenizer ('': checkpoints/teacher; navigation-keys: python -m extras.teacher "
+        "--env navigation-keys --ws-env-tasks ... builds one)",
+    )
+    p.add_argument(
         "--out", default="results", help="directory of the runs, the report and the figures"
     )
     p.add_argument(
@@ -379,7 +400,13 @@ def main(argv=None) -> None:
         lr_ok = False
     if not lr_ok:
         raise SystemExit(f"--grpo-lr: must be a number > 0, got {args.grpo_lr!r}")
-    compare(args.seeds, args.out, args.quick, args.jobs, extra, args.methods, args.grpo_lr)
+    if args.teacher and not set(args.methods) & set(TEACHER_GUIDED):
+        raise SystemExit(f"--teacher: no method of --methods learns from one ({TEACHER_GUIDED})")
+    if args.teacher and not (Path(args.teacher) / "config.json").is_file():
+        raise SystemExit(f"--teacher: {args.teacher!r} holds no model (no config.json)")
+    compare(
+        args.seeds, args.out, args.quick, args.jobs, extra, args.methods, args.grpo_lr, args.teacher
+    )
 
 
 if __name__ == "__main__":

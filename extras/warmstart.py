@@ -64,6 +64,14 @@ class WarmStartConfig(rti.Config):
             "choices": tuple(envs.Navigation.splits()),
         },
     )
+    ws_env_tasks: bool = field(
+        default=False,
+        metadata={
+            "help": "draw the episodes from --env's own --ws-split (navigation-keys: its keys tasks"
+            " too), not Navigation's: a teacher of the family (python -m extras.teacher), never a"
+            " warm start, which must not see it"
+        },
+    )
     ws_steps: int = field(default=700, metadata={"help": "optimizer steps of the warm start"})
     ws_batch: int = field(default=32, metadata={"help": "teacher episodes per step"})
     ws_lr: float = field(
@@ -133,6 +141,13 @@ class WarmStartConfig(rti.Config):
             self.ws_split in envs.Navigation.splits(),
             f"must be a Navigation split: {envs.Navigation.splits()}",
         )
+        env_splits = envs.env_class(self.env).splits()
+        loss.require(
+            self,
+            "ws_split",
+            not self.ws_env_tasks or self.ws_split in env_splits,
+            f"with --ws-env-tasks, must be a split of --env {self.env}: {env_splits}",
+        )
         loss.require(
             self,
             "ws_steps",
@@ -173,8 +188,10 @@ def teacher_sequence(
 ):
     """Token ids and per-token loss weights of a teacher's successful episode for `task`.
 
-    The teacher sees the map: it walks shortest paths, starting a share `route_frac` of legs with
-    the `route` tool and following a route it holds. A share `hint_frac` of turns carries the hint
+    The teacher sees the map and plays the task's own env (envs.player): it walks shortest paths,
+    starting a share `route_frac` of legs with the `route` tool, following a route it holds and
+    calling any other tool the state asks for (navigation-keys: `find key` after a locked door);
+    on a routed leg it calls `route` again whenever it holds none (after a key spent the route). A share `hint_frac` of turns carries the hint
     block a self-corrector will see (intervene.format_hint) at the end of the user message, and the
     teacher does what it says (calls `route` when it holds none), so the policy learns both to
     follow a hint and, rarely, to call the tool. Agent tokens weigh 1, observation tokens
@@ -188,17 +205,21 @@ def teacher_sequence(
     answers 'error unknown action' and the teacher goes on): the policy learns to write what its
     note names.
     """
-    env = envs.Navigation(replace(task, max_turns=envs.MAX_NUMBER))
+    env = envs.player(task)(replace(task, max_turns=envs.MAX_NUMBER))
     content = env.reset()
     ids = []
     weights = []
     leg = -1  # the leg (waypoints visited) the teacher last acted on
+    routed = False  # whether the teacher calls `route` on this leg when it holds no route
     n_post = len(chat.ids(chat.turn_post))
     while not env.done:
         piece = chat.prompt_ids if env.turns == 0 else chat.turn_ids
         plain = piece(content)
         w = [obs_weight] * len(plain)
         best = env.optimal_action()
+        new_leg = leg < env.visited
+        if new_leg:
+            routed = False
         if rng.random() < hint_frac:
             # the hint of a step check that flags a random wrong action
             wrong = rng.choice([a for a in envs.ACTIONS if not env.check_step(a).valid])
@@ -218,12 +239,12 @@ def teacher_sequence(
             w = [obs_weight] * len(hinted)
             w[len(hinted) - n_post - n_hint : len(hinted) - n_post] = [0.0] * n_hint
             plain = hinted
-        elif env.route or best == "finish":
+        elif best != "route":  # a held route's move, finish, or a tool the state asks for
             action = best
-        elif leg < env.visited and rng.random() < route_frac:
-            action = "route"
         else:
-            action = env.shortest_moves()[0]
+            if new_leg:
+                routed = rng.random() < route_frac
+            action = "route" if routed else env.shortest_moves()[0]
         leg = env.visited
         agent = chat.action_ids(action) + [chat.eos_id]
         ids += plain + agent
@@ -276,7 +297,7 @@ def warmstart(cfg: WarmStartConfig, log=print):
         transformers_logging.disable_progress_bar()  # its "Loading weights" and "Writing" bars
     model, tok = load_model(cfg.model, cfg.seed, env=cfg.env)
     chat = Chat(tok, cfg.env)
-    tasks = envs.Navigation.tasks(cfg.ws_split)
+    tasks = envs.env_tasks(cfg.env if cfg.ws_env_tasks else "navigation", cfg.ws_split)
     # a followed phrase: any words of the tokenizer's env, never one of its tool calls
     env_cls = envs.env_class(cfg.env)
     words = tuple(w for w in env_cls.vocabulary() if w not in envs.SEPARATORS)
@@ -382,8 +403,9 @@ def tool_use(trajs) -> dict:
 def report(cfg: WarmStartConfig, model_dir: str, log=print) -> dict:
     """`python -m extras.warmstart report [MODEL_DIR]`: the checkpoint where RL starts, in the
     figures that decide whether RL can start from it: p@1 on --test-split (--eval-tasks x
-    --eval-samples), the share of --group-size-sample groups on --train-split with no success
-    (--batch-tasks tasks), and how it uses the route tool on both."""
+    --eval-samples; and by task family where the split mixes them), the share of
+    --group-size-sample groups on --train-split with no success (--batch-tasks tasks), and how it
+    uses the route tool on both."""
     sampler = rti.init_policy(dataclasses.replace(cfg, model=model_dir, init=""), rti.Backend())
     test_tasks = envs.env_tasks(cfg.env, cfg.test_split)[: cfg.eval_tasks]
     train_tasks = envs.env_tasks(cfg.env, cfg.train_split)[: cfg.batch_tasks]
@@ -392,8 +414,13 @@ def report(cfg: WarmStartConfig, model_dir: str, log=print) -> dict:
         train = rti.rollout(sampler, train_tasks, cfg.group_size, 99)
     groups = group_rows([t.group for t in train]).values()
     all_fail = [max(train[i].reward for i in rows) == 0 for rows in groups]
+    successes = [
+        [test[i].reward > 0 for i in rows] for rows in group_rows([t.group for t in test]).values()
+    ]
+    by_family = rti.with_families({}, test_tasks, successes)
     out = {
         "test_p@1": 100 * float(np.mean([t.reward for t in test])),
+        **{f"test_{k}": v for k, v in by_family.items() if k.endswith("/p@1")},
         "train_all_fail": float(np.mean(all_fail)),
         "train_p@1": 100 * float(np.mean([t.reward for t in train])),
         **{f"test_{k}": v for k, v in tool_use(test).items()},

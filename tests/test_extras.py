@@ -333,6 +333,23 @@ def test_grpo_methods_run_at_their_own_learning_rate(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_the_teacher_reaches_the_teacher_guided_runs_only(tmp_path):
+    """--teacher reaches LUFFY's and OPD's runs only, the report's command names it, and a
+    teacher no method uses, or a folder with no model, stops before any run."""
+    for name in compare.CHOICES:
+        expected = ["--teacher", "T"] if name in ("LUFFY", "OPD") else []
+        assert compare.teacher_flags(name, "T") == expected
+        assert compare.teacher_flags(name, "") == []
+    assert " --teacher T " in compare.command_line([0], "out", teacher="T")
+    assert "--teacher" not in compare.command_line([0], "out")
+    runs = ["--out", str(tmp_path / "runs")]
+    with pytest.raises(SystemExit, match="--teacher: no method of --methods learns from one"):
+        compare.main(["--methods", "GRPO", "RTI", "--teacher", "checkpoints/teacher", *runs])
+    with pytest.raises(SystemExit, match="--teacher: 'nowhere' holds no model"):
+        compare.main(["--methods", "OPD", "--teacher", "nowhere", *runs])
+    assert not (tmp_path / "runs").exists()
+
+
 def test_the_warm_start_boundary_is_sampled_once(tmp_path):
     warm = [{"p@1": 12.5}, [[True] * 16, [False] * 16]]
     (tmp_path / "warm_start_val.json").write_text(json.dumps(warm))

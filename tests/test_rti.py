@@ -798,3 +798,23 @@ def test_teacher_writes_the_new_tool_its_note_names_with_follow_tools(capsys):
     with pytest.raises(SystemExit):
         warmstart.main(["--ws-follow-tools", "--ws-follow-frac", "0.5", "--ws-steps", "1"])
     assert "--ws-follow-tools: --env navigation has no tool call" in capsys.readouterr().err
+
+
+def test_the_teacher_plays_a_keys_task_by_its_tool_and_ws_env_tasks_draws_the_family(capsys):
+    """teacher_sequence plays a task by its own env (envs.player): on a keys task, every leg routed
+    (route_frac 1), it is the oracle's episode (route, then `find key` at the locked door, the route
+    to the key, route again); a walker (route_frac 0) never calls the tool. --ws-env-tasks draws
+    from --env's split, and is refused with a split that env lacks."""
+    chat = Chat(build_tiny_tokenizer("navigation-keys"), "navigation-keys")
+    keys = [t for t in envs.env_tasks("navigation-keys", "val")[:12] if t.family == "keys"]
+    assert keys
+    for task in keys:
+        routed = teacher_actions(chat, task, route_frac=1.0)
+        assert routed == envs.optimal_actions(task) and routed.count("find key") == len(task.doors)
+        assert routed.count("route") == len(task.waypoints) + len(task.doors)
+        walker = teacher_actions(chat, task, route_frac=0.0)
+        assert "find key" not in walker and "route" not in walker
+    with pytest.raises(SystemExit):
+        warmstart.main(["--env", "navigation-keys", "--ws-env-tasks", "--ws-steps", "1"])
+    err = capsys.readouterr().err
+    assert "--ws-split: with --ws-env-tasks, must be a split of --env navigation-keys" in err
