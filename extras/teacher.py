@@ -16,6 +16,14 @@ the warm start seldom makes, the capability boundary RL has to cross. A run take
 The committed one (80 steps of 8 episodes, 71 s on one thread): p@1 95.75 on val (100 tasks x 4
 samples), 96.88 on fit's first 8 tasks x 8, every leg started with `route` (its report.json); the
 warm start it starts from scores 22.50 on test.
+
+navigation-keys' teacher, checkpoints/teacher-keys, is the keys warm start trained the same way on
+that env's own fit, keys tasks included (--ws-env-tasks: the teacher calls `find key` at a locked
+door), 200 steps; a run there takes it as --teacher. Its report.json: 96.75 on val (plain 98.33,
+keys 92.00):
+
+    python -m extras.teacher --model checkpoints/warmstart-keys-tool --env navigation-keys \
+        --ws-env-tasks --ws-steps 200 --ws-out checkpoints/teacher-keys
 """
 
 from __future__ import annotations

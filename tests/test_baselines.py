@@ -3,6 +3,7 @@ terms against hand values and plain loops, LUFFY's mixing, AEPO's branching, one
 each."""
 
 import copy
+import json
 import math
 import subprocess
 import sys
@@ -305,6 +306,26 @@ def test_luffy_one_step_mixes_the_teachers_successes(tmp_path):
     assert metrics["teacher/generated_tokens"] > 0 and metrics["sampled_episodes"] == 8
     # the teacher's tokens are trained, with LUFFY's shaping (no ratio, no clip)
     assert metrics["tokens/intervened"] > 0 and metrics["intervened/ratio_mean"] == 1.0 and moved
+
+
+@pytest.mark.skipif(not HAS_TEACHER, reason="no checkpoints/teacher: python -m extras.teacher")
+def test_the_keys_teacher_fits_the_keys_warm_start_and_solves_the_family_by_its_tool(tmp_path):
+    """checkpoints/teacher-keys (built on navigation-keys' own fit, --ws-env-tasks) has the keys
+    warm start's tokenizer, so LUFFY and OPD take it there, and it solves keys tasks by calling
+    `find key`, which the warm start never does on its own."""
+    keys_dirs = {"teacher": "checkpoints/teacher-keys", "init": "checkpoints/warmstart-keys-tool"}
+    cfg = small(opd.OPDConfig, tmp_path, env="navigation-keys", train_split="fit", **keys_dirs)
+    cfg.validate()
+    built = json.loads((ROOT / cfg.teacher / "warmstart.json").read_text())["config"]
+    assert built["ws_env_tasks"] and built["env"] == "navigation-keys"
+    policy = rti.init_policy(cfg, rti.Backend())
+    tasks = [t for t in envs.env_tasks("navigation-keys", "val") if t.family == "keys"][:3]
+    with torch.no_grad():
+        taught = rti.rollout(teacher.load_teacher(cfg, policy), tasks, 2, seed=0)
+        own = rti.rollout(policy, tasks, 2, seed=0)
+    assert sum(t.reward for t in taught) >= 4
+    assert all("find key" in t.actions for t in taught if t.reward)
+    assert not any("find key" in t.actions for t in own)
 
 
 def test_a_teacher_with_another_tokenizer_is_refused(tmp_path):
