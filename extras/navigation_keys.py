@@ -11,8 +11,9 @@ door, so on-policy exploration seldom finds the tool; the grader's evidence name
 so a corrector that walks toward the key without the tool writes a step the agent could not have
 known (the post-check rejects it), while a corrector that writes `find key` is justified.
 
-Splits (KEY_SPLITS): train and test mix the family in at KeySplitSpec.key_share (fit and val are
-carved from train, as Navigation's); ood has two doors a task, a combination train never has.
+Splits (KEY_SPLITS): train and test mix the family in at KeySplitSpec.key_share, train at a share
+chosen on val (fit and val are carved from train, as Navigation's; val is drawn at test's share);
+ood has two doors a task, a combination train never has.
 Plain tasks play exactly as Navigation's, and Navigation's texts, splits and vocabulary are
 untouched: this env's vocabulary extends Navigation's.
 """
@@ -140,14 +141,14 @@ class KeySplitSpec(SplitSpec):
 # train / test: Navigation's hard distribution with keys tasks mixed in. The warm start learns on
 # Navigation's easy split (plain tasks, which KeyNavigation plays as Navigation does): never a door
 KEY_SPLITS = {
-    "train": KeySplitSpec(9, 9, 0.45, 4, 4, n=600, seed=12),
+    "train": KeySplitSpec(9, 9, 0.45, 4, 4, n=600, seed=12, key_share=0.5),
     "test": KeySplitSpec(9, 9, 0.45, 4, 4, n=200, seed=13),
     # out of distribution: two doors and two keys a task, a combination train never has
     "ood": KeySplitSpec(9, 9, 0.45, 4, 4, n=100, seed=14, key_share=1.0, doors=2),
 }
-# fit drawn at another keys share, to choose train's key_share on val: val (and test) keep the
-# spec's share, so every trial is judged on the same tasks
-SHARE_FITS = {"fit-share-0.1": 0.1, "fit-share-0.5": 0.5}
+# fit drawn at another keys share, the trials train's key_share was chosen among on val (0.5 won;
+# docs/RESULTS.md 13f)
+SHARE_FITS = {"fit-share-0.1": 0.1, "fit-share-0.25": 0.25}
 
 
 def is_keys_task(i: int, key_share: float) -> bool:
@@ -462,6 +463,8 @@ class KeyNavigation(Navigation):
         SHARE_FITS (fit's slice of train drawn at another key_share)."""
         if split in SHARE_FITS:
             return make_key_tasks("train", key_share=SHARE_FITS[split])[CARVED["fit"][1]]
+        if split == "val":  # at test's share: a policy is judged on test's mix, whatever train's
+            return make_key_tasks("train", key_share=KEY_SPLITS["test"].key_share)[CARVED["val"][1]]
         if split in CARVED:
             source, part = CARVED[split]
             return make_key_tasks(source)[part]

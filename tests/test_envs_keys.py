@@ -49,6 +49,11 @@ def splits():
     return {name: make_key_tasks(name) for name in KEY_SPLITS}
 
 
+@pytest.fixture(scope="module")
+def val():
+    return KeyNavigation.tasks("val")
+
+
 def reachable(task, frm, closed):
     """Cells reachable from `frm` with the walls and the `closed` cells shut (independent BFS)."""
     shut = {tuple(c) for c in task.walls + closed}
@@ -86,10 +91,11 @@ def test_splits_are_deterministic_prefixes_with_the_spec_family_share(splits):
         assert len(keys) == int(spec.n * spec.key_share)
         assert all(len(t.doors) == len(t.keys) == spec.doors for t in keys)
         assert all(not t.doors and not t.keys for t in tasks if t.family == "plain")
-    # the share is the spec's, in every prefix: a quarter of train, and of fit and val
+    # the share is the spec's, in every prefix: half of train (and of fit), a quarter of test
+    assert KEY_SPLITS["train"].key_share == 0.5 and KEY_SPLITS["test"].key_share == 0.25
     for part in (slice(0, 4), slice(0, 500), slice(500, 600)):
         train = splits["train"][part]
-        assert sum(t.family == "keys" for t in train) == len(train) // 4
+        assert sum(t.family == "keys" for t in train) == len(train) // 2
     assert {t.family for t in splits["ood"]} == {"keys"}
     # the share overrides: another mix, still task i of its family depending on (seed, i) alone
     half = make_key_tasks("test", n=20, key_share=0.5)
@@ -101,12 +107,15 @@ def test_splits_are_deterministic_prefixes_with_the_spec_family_share(splits):
         make_key_tasks("test", n=1, key_share=1.5)
 
 
-def test_carved_splits_are_train_slices_and_splits_do_not_overlap(splits, monkeypatch):
+def test_carved_splits_are_train_slices_and_splits_do_not_overlap(splits, val, monkeypatch):
     assert KeyNavigation.splits() == ["train", "test", "ood", "fit", "val", *SHARE_FITS]
     assert envs.env_class("navigation-keys") is KeyNavigation
+    # val: train's tasks 500-599 drawn at test's share (a quarter), whatever train's
+    at_test_share = make_key_tasks("train", key_share=KEY_SPLITS["test"].key_share)
+    assert [asdict(t) for t in val] == [asdict(t) for t in at_test_share[CARVED["val"][1]]]
+    assert sum(t.family == "keys" for t in val) == len(val) // 4
     monkeypatch.setattr(navigation_keys, "make_key_tasks", lambda split: splits[split])
-    for name, (source, part) in CARVED.items():
-        assert KeyNavigation.tasks(name) == splits[source][part]
+    assert KeyNavigation.tasks("fit") == splits["train"][CARVED["fit"][1]]
     assert KeyNavigation.tasks("ood") == splits["ood"]
 
     def key(t):
@@ -116,9 +125,10 @@ def test_carved_splits_are_train_slices_and_splits_do_not_overlap(splits, monkey
     assert not seen[0] & seen[1] and not seen[0] & seen[2] and not seen[1] & seen[2]
 
 
-def test_share_fits_are_fit_at_their_share_and_keep_val_out(splits):
+def test_share_fits_are_fit_at_their_share_and_keep_val_out(splits, val):
     fit = splits["train"][CARVED["fit"][1]]
-    val = {str(asdict(t)) for t in splits["train"][CARVED["val"][1]]}
+    val = {str(asdict(t)) for t in val}
+    assert not {str(asdict(t)) for t in fit} & val
     for name, share in SHARE_FITS.items():
         tasks = KeyNavigation.tasks(name)
         assert [t.task_id for t in tasks] == [t.task_id for t in fit]
