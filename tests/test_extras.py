@@ -52,6 +52,7 @@ FREE_FORM = {
         "extra": "any flags of rti.py",
         "equal_episodes": "--out folders of earlier comparisons",
         "grpo_lr": "a learning rate, passed on to rti.py's --lr as written",
+        "teacher": "any model directory, or ''",
     },
     "extras.scale": {
         **CONFIG_FREE_FORM,
