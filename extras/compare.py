@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -83,14 +84,31 @@ BOUNDARY_TASKS = 150
 BOUNDARY_TASKS_QUICK = 30
 
 
-def grpo_flags(name: str, grpo_lr: str) -> list[str]:
-    """The learning rate of a GRPO method's runs (RTI's is rti.py's own)."""
-    return ["--lr", grpo_lr] if METHODS.get(name, [])[:2] == ["--method", "grpo"] else []
+@dataclass(frozen=True)
+class MethodSettings:
+    """Settings chosen on val for some methods only (extras.compare's flags of the same names):
+    the GRPO methods' learning rate and train split ('': the runs' own), the teacher LUFFY and OPD
+    learn from ('': their default)."""
 
+    grpo_lr: str = GRPO_LR
+    grpo_train_split: str = ""
+    teacher: str = ""
 
-def teacher_flags(name: str, teacher: str) -> list[str]:
-    """The teacher of a teacher-guided method's runs ('' : the method's default one)."""
-    return ["--teacher", teacher] if teacher and name in TEACHER_GUIDED else []
+    def flags(self, name: str) -> list[str]:
+        """The flags these settings add to method `name`'s runs."""
+        flags = []
+        if METHODS.get(name, [])[:2] == ["--method", "grpo"]:
+            flags += ["--lr", self.grpo_lr]
+            flags += ["--train-split", self.grpo_train_split] if self.grpo_train_split else []
+        if self.teacher and name in TEACHER_GUIDED:
+            flags += ["--teacher", self.teacher]
+        return flags
+
+    def words(self) -> list[str]:
+        """These settings as extras.compare's flags, defaults left out (the report's command)."""
+        words = ["--grpo-lr", self.grpo_lr] if self.grpo_lr != GRPO_LR else []
+        words += ["--grpo-train-split", self.grpo_train_split] if self.grpo_train_split else []
+        return words + (["--teacher", self.teacher] if self.teacher else [])
 
 
 def program(name: str) -> list[str]:
@@ -127,8 +145,7 @@ def command_line(
     extra: list[str] = (),
     methods=tuple(METHODS),
     equal_episodes: list[str] = (),
-    grpo_lr: str = GRPO_LR,
-    teacher: str = "",
+    settings: MethodSettings = MethodSettings(),
 ) -> str:
     """The `python -m extras.compare` command that reproduces a comparison (or an
     --equal-episodes table), for its report."""
@@ -143,8 +160,7 @@ def command_line(
         *map(str, seeds),
         *subset,
         *(["--jobs", str(jobs)] if jobs is not None else []),
-        *(["--grpo-lr", grpo_lr] if grpo_lr != GRPO_LR else []),
-        *(["--teacher", teacher] if teacher else []),
+        *settings.words(),
         "--out",
         out_dir,
         *(["--", *extra] if extra else []),
@@ -159,12 +175,11 @@ def compare(
     jobs: int,
     extra: list[str],
     methods: list[str] = tuple(METHODS),
-    grpo_lr: str = GRPO_LR,
-    teacher: str = "",
+    settings: MethodSettings = MethodSettings(),
 ) -> dict:
-    """Train each of `methods` (names of METHODS) for every seed from the same warm start, GRPO's
-    at learning rate `grpo_lr`, LUFFY's and OPD's from `teacher` (their default if ''), then write the table (markdown and CSV), the beyond-the-boundary
-    counts and the figures under out_dir. Returns the per-run results."""
+    """Train each of `methods` (names of METHODS and BASELINES) for every seed from the same warm
+    start, with the `settings` chosen for some of them, then write the table (markdown and CSV),
+    the beyond-the-boundary counts and the figures under out_dir. Returns the per-run results."""
     # the runs' flags, checked (a bad one exits) before any run starts
     _, _, run_cfg = runtime.parse_args(extra, rti.Config)
     out = Path(out_dir)
@@ -173,9 +188,8 @@ def compare(
     budget = QUICK if quick else FULL
     work = [
         (
-            [*METHODS.get(name, []), *grpo_flags(name, grpo_lr), *teacher_flags(name, teacher)]
-            + ["--seed", str(seed)]
-            + ["--no-eval-before", *budget, *extra],
+            [*METHODS.get(name, []), "--seed", str(seed), "--no-eval-before", *budget, *extra]
+            + settings.flags(name),
             str(out / f"{slug(name)}-s{seed}"),
             str(out / f"{slug(name)}-s{seed}.log"),
             program(name),
@@ -193,9 +207,7 @@ def compare(
         run: json.loads((Path(w[1]) / "results.json").read_text()) for run, w in zip(runs, work)
     }
     logs = read_logs([out], methods, seeds)
-    command = command_line(
-        seeds, out_dir, quick, jobs, extra, methods, grpo_lr=grpo_lr, teacher=teacher
-    )
+    command = command_line(seeds, out_dir, quick, jobs, extra, methods, settings=settings)
     curves = curve_table(logs, seeds, warm[0]["p@1"], methods)
     curves += family_report(logs, seeds, methods)
     minutes = training_minutes(logs, seeds, methods)
@@ -360,6 +372,14 @@ def build_parser() -> argparse.ArgumentParser:
         "warmstart-evidence and warmstart, 3e-5 from warmstart-route0 (RTI keeps rti.py's)",
     )
     p.add_argument(
+        "--grpo-train-split",
+        default="",
+        metavar="SPLIT",
+        help="the GRPO methods' --train-split where their choice on val differs from the other "
+        "methods' ('': the runs' own; navigation-keys: e.g. train-share-0.1, train drawn with "
+        "another share of the keys family)",
+    )
+    p.add_argument(
         "--teacher",
         default="",
         metavar="DIR",
@@ -404,9 +424,16 @@ def main(argv=None) -> None:
         raise SystemExit(f"--teacher: no method of --methods learns from one ({TEACHER_GUIDED})")
     if args.teacher and not (Path(args.teacher) / "config.json").is_file():
         raise SystemExit(f"--teacher: {args.teacher!r} holds no model (no config.json)")
-    compare(
-        args.seeds, args.out, args.quick, args.jobs, extra, args.methods, args.grpo_lr, args.teacher
-    )
+    if args.grpo_train_split:
+        if not any(name.startswith("GRPO") for name in args.methods):
+            raise SystemExit("--grpo-train-split: no GRPO method in --methods")
+        env = runtime.parse_args(extra, rti.Config)[2].env
+        if args.grpo_train_split not in envs.env_class(env).splits():
+            raise SystemExit(
+                f"--grpo-train-split: must be a split of {env}: {envs.env_class(env).splits()}"
+            )
+    settings = MethodSettings(args.grpo_lr, args.grpo_train_split, args.teacher)
+    compare(args.seeds, args.out, args.quick, args.jobs, extra, args.methods, settings)
 
 
 if __name__ == "__main__":

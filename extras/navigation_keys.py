@@ -146,9 +146,12 @@ KEY_SPLITS = {
     # out of distribution: two doors and two keys a task, a combination train never has
     "ood": KeySplitSpec(9, 9, 0.45, 4, 4, n=100, seed=14, key_share=1.0, doors=2),
 }
-# fit drawn at another keys share, the trials train's key_share was chosen among on val (0.5 won;
-# docs/RESULTS.md 13f)
-SHARE_FITS = {"fit-share-0.1": 0.1, "fit-share-0.25": 0.25}
+# train and its fit drawn at another keys share ("fit-share-0.1", "train-share-0.1", ...): the
+# trials of train's share on val (docs/RESULTS.md 13f), and a method's own share where its choice
+# on val differs from train's (extras.compare --grpo-train-split)
+SHARE_SPLITS = {
+    f"{part}-share-{share}": (part, share) for share in (0.1, 0.25) for part in ("fit", "train")
+}
 
 
 def is_keys_task(i: int, key_share: float) -> bool:
@@ -455,14 +458,16 @@ class KeyNavigation(Navigation):
 
     @classmethod
     def splits(cls) -> list[str]:
-        return list(KEY_SPLITS) + list(CARVED) + list(SHARE_FITS)
+        return list(KEY_SPLITS) + list(CARVED) + list(SHARE_SPLITS)
 
     @classmethod
     def tasks(cls, split: str) -> list[KeyTask]:
         """A split of KEY_SPLITS, of CARVED (fit and val, parts of this env's train) or of
-        SHARE_FITS (fit's slice of train drawn at another key_share)."""
-        if split in SHARE_FITS:
-            return make_key_tasks("train", key_share=SHARE_FITS[split])[CARVED["fit"][1]]
+        SHARE_SPLITS (train, or its fit, drawn at another key_share)."""
+        if split in SHARE_SPLITS:
+            part, share = SHARE_SPLITS[split]
+            tasks = make_key_tasks("train", key_share=share)
+            return tasks[CARVED["fit"][1]] if part == "fit" else tasks
         if split == "val":  # at test's share: a policy is judged on test's mix, whatever train's
             return make_key_tasks("train", key_share=KEY_SPLITS["test"].key_share)[CARVED["val"][1]]
         if split in CARVED:

@@ -24,7 +24,7 @@ from extras import navigation_keys
 from extras.navigation_keys import (
     KEY_ACTIONS,
     KEY_SPLITS,
-    SHARE_FITS,
+    SHARE_SPLITS,
     KeyNavigation,
     KeyTask,
     make_key_tasks,
@@ -108,7 +108,7 @@ def test_splits_are_deterministic_prefixes_with_the_spec_family_share(splits):
 
 
 def test_carved_splits_are_train_slices_and_splits_do_not_overlap(splits, val, monkeypatch):
-    assert KeyNavigation.splits() == ["train", "test", "ood", "fit", "val", *SHARE_FITS]
+    assert KeyNavigation.splits() == ["train", "test", "ood", "fit", "val", *SHARE_SPLITS]
     assert envs.env_class("navigation-keys") is KeyNavigation
     # val: train's tasks 500-599 drawn at test's share (a quarter), whatever train's
     at_test_share = make_key_tasks("train", key_share=KEY_SPLITS["test"].key_share)
@@ -125,18 +125,20 @@ def test_carved_splits_are_train_slices_and_splits_do_not_overlap(splits, val, m
     assert not seen[0] & seen[1] and not seen[0] & seen[2] and not seen[1] & seen[2]
 
 
-def test_share_fits_are_fit_at_their_share_and_keep_val_out(splits, val):
-    fit = splits["train"][CARVED["fit"][1]]
+def test_share_splits_are_train_at_their_share_and_keep_val_out(splits, val):
+    train = splits["train"]
+    fit = train[CARVED["fit"][1]]
     val = {str(asdict(t)) for t in val}
     assert not {str(asdict(t)) for t in fit} & val
-    for name, share in SHARE_FITS.items():
-        tasks = KeyNavigation.tasks(name)
-        assert [t.task_id for t in tasks] == [t.task_id for t in fit]
-        assert sum(t.family == "keys" for t in tasks) == int(len(fit) * share)
+    for share in (0.1, 0.25):
+        tasks = KeyNavigation.tasks(f"train-share-{share}")
+        assert KeyNavigation.tasks(f"fit-share-{share}") == tasks[CARVED["fit"][1]]
+        assert [t.task_id for t in tasks] == [t.task_id for t in train]
+        assert sum(t.family == "keys" for t in tasks) == int(len(train) * share)
         # a task keeps its draw when the share keeps its family: only the mix changes
-        same = [(a, b) for a, b in zip(tasks, fit) if a.family == b.family]
+        same = [(a, b) for a, b in zip(tasks, train) if a.family == b.family]
         assert same and all(asdict(a) == asdict(b) for a, b in same)
-        assert not {str(asdict(t)) for t in tasks} & val
+        assert not {str(asdict(t)) for t in tasks[CARVED["fit"][1]]} & val
         for t in tasks:
             assert run_actions(t, optimal_actions(t)).score().success, t.task_id
 

@@ -53,6 +53,7 @@ FREE_FORM = {
         "equal_episodes": "--out folders of earlier comparisons",
         "grpo_lr": "a learning rate, passed on to rti.py's --lr as written",
         "teacher": "any model directory, or ''",
+        "grpo_train_split": "the env's split names (the env comes after --), or ''",
     },
     "extras.scale": {
         **CONFIG_FREE_FORM,
@@ -320,34 +321,32 @@ def test_a_rerun_comparison_keeps_finished_runs_and_resumes_the_others(tmp_path,
     assert calls[0][calls[0].index("--out") + 1] == str(half)
 
 
-def test_grpo_methods_run_at_their_own_learning_rate(tmp_path):
-    """--grpo-lr reaches the GRPO methods' runs only (RTI's stays rti.py's), the report's command
-    names it when it is not the default, and a bad value stops before any run."""
-    for name in compare.METHODS:
-        expected = ["--lr", "3e-5"] if name.startswith("GRPO") else []
-        assert compare.grpo_flags(name, "3e-5") == expected
-    assert " --grpo-lr 3e-5 " in compare.command_line([0], "out", grpo_lr="3e-5")
-    assert "--grpo-lr" not in compare.command_line([0], "out", grpo_lr=compare.GRPO_LR)
-    for bad in ("fast", "0"):
-        with pytest.raises(SystemExit, match="--grpo-lr: must be a number > 0"):
-            compare.main(["--grpo-lr", bad, "--out", str(tmp_path / "runs")])
-    assert not (tmp_path / "runs").exists()
-
-
-def test_the_teacher_reaches_the_teacher_guided_runs_only(tmp_path):
-    """--teacher reaches LUFFY's and OPD's runs only, the report's command names it, and a
-    teacher no method uses, or a folder with no model, stops before any run."""
+def test_method_settings_reach_their_methods_only(tmp_path):
+    """--grpo-lr and --grpo-train-split reach the GRPO methods' runs only (RTI's stay rti.py's),
+    --teacher LUFFY's and OPD's only; the report's command names what is not a default, and a bad
+    value stops before any run."""
+    settings = compare.MethodSettings("3e-5", "train-share-0.1", "T")
     for name in compare.CHOICES:
-        expected = ["--teacher", "T"] if name in ("LUFFY", "OPD") else []
-        assert compare.teacher_flags(name, "T") == expected
-        assert compare.teacher_flags(name, "") == []
-    assert " --teacher T " in compare.command_line([0], "out", teacher="T")
-    assert "--teacher" not in compare.command_line([0], "out")
+        expected = ["--lr", "3e-5", "--train-split", "train-share-0.1"] if "GRPO" in name else []
+        expected += ["--teacher", "T"] if name in ("LUFFY", "OPD") else []
+        assert settings.flags(name) == expected
+    assert compare.MethodSettings().flags("RTI") == []
+    assert compare.MethodSettings().flags("GRPO") == ["--lr", compare.GRPO_LR]
+    line = compare.command_line([0], "out", settings=settings)
+    assert " --grpo-lr 3e-5 --grpo-train-split train-share-0.1 --teacher T --out " in line
+    assert "--grpo" not in compare.command_line([0], "out") and "--teacher" not in line[:20]
     runs = ["--out", str(tmp_path / "runs")]
-    with pytest.raises(SystemExit, match="--teacher: no method of --methods learns from one"):
-        compare.main(["--methods", "GRPO", "RTI", "--teacher", "checkpoints/teacher", *runs])
-    with pytest.raises(SystemExit, match="--teacher: 'nowhere' holds no model"):
-        compare.main(["--methods", "OPD", "--teacher", "nowhere", *runs])
+    refusals = [
+        (["--grpo-lr", "fast"], "--grpo-lr: must be a number > 0"),
+        (["--grpo-lr", "0"], "--grpo-lr: must be a number > 0"),
+        (["--methods", "GRPO", "RTI", "--teacher", "checkpoints/teacher"], "--teacher: no method"),
+        (["--methods", "OPD", "--teacher", "nowhere"], "--teacher: 'nowhere' holds no model"),
+        (["--methods", "RTI", "--grpo-train-split", "fit"], "--grpo-train-split: no GRPO method"),
+        (["--grpo-train-split", "train-share-0.1"], "--grpo-train-split: must be a split of navi"),
+    ]
+    for flags, message in refusals:
+        with pytest.raises(SystemExit, match=message):
+            compare.main([*flags, *runs])
     assert not (tmp_path / "runs").exists()
 
 
