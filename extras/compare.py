@@ -84,6 +84,11 @@ BOUNDARY_TASKS = 150
 BOUNDARY_TASKS_QUICK = 30
 
 
+def is_grpo(name: str) -> bool:
+    """Whether method `name` is one of the GRPO methods (GRPO, GRPO + dynamic sampling)."""
+    return METHODS.get(name, [])[:2] == ["--method", "grpo"]
+
+
 @dataclass(frozen=True)
 class MethodSettings:
     """Settings chosen on val for some methods only (extras.compare's flags of the same names):
@@ -97,7 +102,7 @@ class MethodSettings:
     def flags(self, name: str) -> list[str]:
         """The flags these settings add to method `name`'s runs."""
         flags = []
-        if METHODS.get(name, [])[:2] == ["--method", "grpo"]:
+        if is_grpo(name):
             flags += ["--lr", self.grpo_lr]
             flags += ["--train-split", self.grpo_train_split] if self.grpo_train_split else []
         if self.teacher and name in TEACHER_GUIDED:
@@ -384,8 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="",
         metavar="DIR",
         help=f"the teacher {', '.join(TEACHER_GUIDED)} learn from, a model with the policy's "
-        "tokenizer ('': checkpoints/teacher; navigation-keys: python -m extras.teacher "
-        "--env navigation-keys --ws-env-tasks ... builds one)",
+        "tokenizer ('': checkpoints/teacher; navigation-keys: checkpoints/teacher-keys)",
     )
     p.add_argument(
         "--out", default="results", help="directory of the runs, the report and the figures"
@@ -425,7 +429,7 @@ def main(argv=None) -> None:
     if args.teacher and not (Path(args.teacher) / "config.json").is_file():
         raise SystemExit(f"--teacher: {args.teacher!r} holds no model (no config.json)")
     if args.grpo_train_split:
-        if not any(name.startswith("GRPO") for name in args.methods):
+        if not any(map(is_grpo, args.methods)):
             raise SystemExit("--grpo-train-split: no GRPO method in --methods")
         env = runtime.parse_args(extra, rti.Config)[2].env
         if args.grpo_train_split not in envs.env_class(env).splits():
