@@ -20,7 +20,8 @@ warm start it starts from scores 22.50 on test.
 navigation-keys' teacher, checkpoints/teacher-keys, is the keys warm start trained the same way on
 that env's own fit, keys tasks included (--ws-env-tasks: the teacher calls `find key` at a locked
 door), 200 steps; a run there takes it as --teacher. Its report.json: 96.75 on val (plain 98.33,
-keys 92.00):
+keys 92.00). It was built at a5ab2b8, when fit mixed the family in at 0.25 (now 0.5; the same
+command gives another teacher):
 
     python -m extras.teacher --model checkpoints/warmstart-keys-tool --env navigation-keys \
         --ws-env-tasks --ws-steps 200 --ws-out checkpoints/teacher-keys
