@@ -58,6 +58,7 @@ def boundary(
 
 
 def is_family_p1(key: str) -> bool:
+    """Whether a metrics key is a task family's test p@1 ("test/keys/p@1")."""
     return key.startswith("test/") and key.endswith("/p@1") and key.count("/") == 2
 
 

@@ -5,8 +5,10 @@ python docs/results/keys/counters.py [FOLDER]       # default: this file's folde
 
 import json
 import sys
-from collections import Counter
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root
+import evaluate  # noqa: E402
 
 folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
 runs = {}
@@ -22,12 +24,9 @@ for arm, results in runs.items():
     if not any(stats):
         print(f"| {arm} | - | - | - | - |")
         continue
-
-    total = Counter()
-    for s in stats:
-        total.update(s)
+    total = evaluate.run_totals(stats)  # counts summed over seeds, rates taken again
     rejected = f"{total['attempts_rejected']} / {total['correction_attempts']}"
     gate = f"{total['gate_dropped']} / {total['gate_dropped'] + total['gate_kept']}"
     leaked = f"{total['kept_leaked_turns']} / {total['kept_corrected_turns']}"
-    share = 100 * total["intervened_tokens"] / max(1, total["trained_tokens"])
+    share = 100 * total["intervened_token_share"]
     print(f"| {arm} | {rejected} | {gate} | {leaked} | {share:.2f}% |")
