@@ -1,4 +1,5 @@
-"""The counters behind each arm of RESULTS 13e, summed over seeds from the runs' results.json.
+"""The counters behind each arm of RESULTS 13e and 13h, summed over seeds from the runs'
+results.json.
 
 python docs/results/keys/counters.py [FOLDER]       # default: this file's folder
 """
