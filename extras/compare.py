@@ -3,6 +3,7 @@
     python -m extras.compare --seeds 0 1 2 --out results   # GRPO, RTI and its 3 ablations x 3 seeds
     python -m extras.compare --quick --seeds 0             # a smoke run: 4 steps of 4 tasks
     python -m extras.compare --methods GSPO AEPO LUFFY OPD # the paper's other baselines
+    python -m extras.compare --methods GSPO --baseline-flags 'GSPO=--lr 3e-5'  # its settings
 
 Every run is `python rti.py` with the method's flags (a baseline of BASELINES: its own command,
 `python -m extras.gspo` ..., rti.py's loop with its settings), and any flags given after `--`, from
@@ -22,7 +23,9 @@ counted with the policy's).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -93,11 +96,12 @@ def is_grpo(name: str) -> bool:
 class MethodSettings:
     """Settings chosen on val for some methods only (extras.compare's flags of the same names):
     the GRPO methods' learning rate and train split ('': the runs' own), the teacher LUFFY and OPD
-    learn from ('': their default)."""
+    learn from ('': their default), and any flags of one baseline of BASELINES (NAME=FLAGS)."""
 
     grpo_lr: str = GRPO_LR
     grpo_train_split: str = ""
     teacher: str = ""
+    baseline_flags: tuple[str, ...] = ()
 
     def flags(self, name: str) -> list[str]:
         """The flags these settings add to method `name`'s runs."""
@@ -107,13 +111,19 @@ class MethodSettings:
             flags += ["--train-split", self.grpo_train_split] if self.grpo_train_split else []
         if self.teacher and name in TEACHER_GUIDED:
             flags += ["--teacher", self.teacher]
+        for item in self.baseline_flags:
+            baseline, _, words = item.partition("=")
+            flags += shlex.split(words) if baseline == name else []
         return flags
 
     def words(self) -> list[str]:
         """These settings as extras.compare's flags, defaults left out (the report's command)."""
         words = ["--grpo-lr", self.grpo_lr] if self.grpo_lr != GRPO_LR else []
         words += ["--grpo-train-split", self.grpo_train_split] if self.grpo_train_split else []
-        return words + (["--teacher", self.teacher] if self.teacher else [])
+        words += ["--teacher", self.teacher] if self.teacher else []
+        for item in self.baseline_flags:
+            words += ["--baseline-flags", shlex.quote(item)]
+        return words
 
 
 def program(name: str) -> list[str]:
@@ -392,6 +402,15 @@ def build_parser() -> argparse.ArgumentParser:
         "tokenizer ('': checkpoints/teacher; navigation-keys: checkpoints/teacher-keys)",
     )
     p.add_argument(
+        "--baseline-flags",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help=f"flags chosen on val for one baseline of {list(BASELINES)}, added to its runs "
+        "after the flags given after -- (e.g. 'GSPO=--lr 3e-5 --train-split train-share-0.25'); "
+        "once per baseline",
+    )
+    p.add_argument(
         "--out", default="results", help="directory of the runs, the report and the figures"
     )
     p.add_argument(
@@ -408,6 +427,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="flags passed on to every `python rti.py` run (after --)",
     )
     return p
+
+
+def check_split(flag: str, split: str, env: str) -> None:
+    """Exit naming `flag` unless `split` is one of env's splits."""
+    if split not in envs.env_class(env).splits():
+        raise SystemExit(
+            f"{flag}: {split!r} is not a split of {env}: {envs.env_class(env).splits()}"
+        )
+
+
+def check_baseline_flags(items: list[str], methods: list[str], extra: list[str], env: str) -> None:
+    """Exit naming the problem unless each of `items` is NAME=FLAGS, NAME a baseline of `methods`
+    given once, FLAGS flags its command accepts after `extra` (a --train-split one of env's)."""
+    names = [item.partition("=")[0] for item in items]
+    for item, name in zip(items, names):
+        if "=" not in item or name not in BASELINES:
+            raise SystemExit(
+                f"--baseline-flags: {item!r} is not NAME=FLAGS, NAME of {list(BASELINES)}"
+            )
+        if name not in methods:
+            raise SystemExit(f"--baseline-flags: {name} is not in --methods")
+        if names.count(name) > 1:
+            raise SystemExit(f"--baseline-flags: {name} is given twice (put its flags in one)")
+        parser = importlib.import_module(BASELINES[name]).build_parser()
+        words = ["train", *extra, *shlex.split(item.partition("=")[2])]
+        parsed, unknown = parser.parse_known_args(words)
+        unknown += [parsed.path] if parsed.path else []  # a word that is no flag's value
+        if unknown:
+            raise SystemExit(f"--baseline-flags: {name} takes no {' '.join(unknown)}")
+        check_split(f"--baseline-flags {name} --train-split", parsed.train_split, env)
 
 
 def main(argv=None) -> None:
@@ -428,15 +477,15 @@ def main(argv=None) -> None:
         raise SystemExit(f"--teacher: no method of --methods learns from one ({TEACHER_GUIDED})")
     if args.teacher and not (Path(args.teacher) / "config.json").is_file():
         raise SystemExit(f"--teacher: {args.teacher!r} holds no model (no config.json)")
+    env = runtime.parse_args(extra, rti.Config)[2].env
     if args.grpo_train_split:
         if not any(map(is_grpo, args.methods)):
             raise SystemExit("--grpo-train-split: no GRPO method in --methods")
-        env = runtime.parse_args(extra, rti.Config)[2].env
-        if args.grpo_train_split not in envs.env_class(env).splits():
-            raise SystemExit(
-                f"--grpo-train-split: must be a split of {env}: {envs.env_class(env).splits()}"
-            )
-    settings = MethodSettings(args.grpo_lr, args.grpo_train_split, args.teacher)
+        check_split("--grpo-train-split", args.grpo_train_split, env)
+    check_baseline_flags(args.baseline_flags, args.methods, extra, env)
+    settings = MethodSettings(
+        args.grpo_lr, args.grpo_train_split, args.teacher, tuple(args.baseline_flags)
+    )
     compare(args.seeds, args.out, args.quick, args.jobs, extra, args.methods, settings)
 
 

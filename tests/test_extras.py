@@ -6,6 +6,7 @@ import ast
 import importlib
 import json
 import runpy
+import shlex
 import subprocess
 import sys
 import warnings
@@ -54,6 +55,7 @@ FREE_FORM = {
         "grpo_lr": "a learning rate, passed on to rti.py's --lr as written",
         "teacher": "any model directory, or ''",
         "grpo_train_split": "the env's split names (the env comes after --), or ''",
+        "baseline_flags": "NAME=FLAGS, each checked by the baseline's own parser",
     },
     "extras.scale": {
         **CONFIG_FREE_FORM,
@@ -323,17 +325,25 @@ def test_a_rerun_comparison_keeps_finished_runs_and_resumes_the_others(tmp_path,
 
 def test_method_settings_reach_their_methods_only(tmp_path):
     """--grpo-lr and --grpo-train-split reach the GRPO methods' runs only (RTI's stay rti.py's),
-    --teacher LUFFY's and OPD's only; the report's command names what is not a default, and a bad
-    value stops before any run."""
-    settings = compare.MethodSettings("3e-5", "train-share-0.1", "T")
+    --teacher LUFFY's and OPD's only, --baseline-flags its baseline's only; the report's command
+    names what is not a default, and a bad value stops before any run."""
+    gspo = "GSPO=--lr 3e-5 --train-split 'fit-share-0.25'"
+    settings = compare.MethodSettings("3e-5", "train-share-0.1", "T", (gspo, "OPD=--lr 1e-5"))
     for name in compare.CHOICES:
         expected = ["--lr", "3e-5", "--train-split", "train-share-0.1"] if "GRPO" in name else []
         expected += ["--teacher", "T"] if name in ("LUFFY", "OPD") else []
+        expected += ["--lr", "3e-5", "--train-split", "fit-share-0.25"] if name == "GSPO" else []
+        expected += ["--lr", "1e-5"] if name == "OPD" else []
         assert settings.flags(name) == expected
     assert compare.MethodSettings().flags("RTI") == []
     assert compare.MethodSettings().flags("GRPO") == ["--lr", compare.GRPO_LR]
     line = compare.command_line([0], "out", settings=settings)
-    assert " --grpo-lr 3e-5 --grpo-train-split train-share-0.1 --teacher T --out " in line
+    assert (
+        " --grpo-lr 3e-5 --grpo-train-split train-share-0.1 --teacher T --baseline-flags " in line
+    )
+    # the report's command, read back by a shell, gives the same settings
+    args = compare.build_parser().parse_args(shlex.split(line)[3:])
+    assert args.baseline_flags == [gspo, "OPD=--lr 1e-5"]
     assert "--grpo" not in compare.command_line([0], "out") and "--teacher" not in line[:20]
     runs = ["--out", str(tmp_path / "runs")]
     refusals = [
@@ -342,7 +352,13 @@ def test_method_settings_reach_their_methods_only(tmp_path):
         (["--methods", "GRPO", "RTI", "--teacher", "checkpoints/teacher"], "--teacher: no method"),
         (["--methods", "OPD", "--teacher", "nowhere"], "--teacher: 'nowhere' holds no model"),
         (["--methods", "RTI", "--grpo-train-split", "fit"], "--grpo-train-split: no GRPO method"),
-        (["--grpo-train-split", "train-share-0.1"], "--grpo-train-split: must be a split of navi"),
+        (["--grpo-train-split", "train-share-0.1"], "--grpo-train-split: 'train-share-0.1' is n"),
+        (["--methods", "GSPO", "--baseline-flags", "GSPO"], "'GSPO' is not NAME=FLAGS"),
+        (["--methods", "GSPO", "--baseline-flags", "RTI=--lr 1"], "'RTI=--lr 1' is not NAME="),
+        (["--methods", "GSPO", "--baseline-flags", "OPD=--lr 1"], "OPD is not in --methods"),
+        (["--methods", "GSPO", "--baseline-flags", "GSPO=--lrr 1"], "GSPO takes no --lrr 1"),
+        (["--methods", "GSPO", "--baseline-flags", "GSPO=", "--baseline-flags", "GSPO="], "twice"),
+        (["--methods", "GSPO", "--baseline-flags", "GSPO=--train-split ood"], "GSPO --train-s"),
     ]
     for flags, message in refusals:
         with pytest.raises(SystemExit, match=message):
