@@ -441,8 +441,9 @@ def check_baseline_flags(items: list[str], methods: list[str], extra: list[str],
     """Exit naming the problem unless each of `items` is NAME=FLAGS, NAME a baseline of `methods`
     given once, FLAGS flags its command accepts after `extra` (a --train-split one of env's)."""
     names = [item.partition("=")[0] for item in items]
-    for item, name in zip(items, names):
-        if "=" not in item or name not in BASELINES:
+    for item in items:
+        name, equals, flags = item.partition("=")
+        if not equals or name not in BASELINES:
             raise SystemExit(
                 f"--baseline-flags: {item!r} is not NAME=FLAGS, NAME of {list(BASELINES)}"
             )
@@ -451,7 +452,7 @@ def check_baseline_flags(items: list[str], methods: list[str], extra: list[str],
         if names.count(name) > 1:
             raise SystemExit(f"--baseline-flags: {name} is given twice (put its flags in one)")
         parser = importlib.import_module(BASELINES[name]).build_parser()
-        words = ["train", *extra, *shlex.split(item.partition("=")[2])]
+        words = ["train", *extra, *shlex.split(flags)]
         parsed, unknown = parser.parse_known_args(words)
         unknown += [parsed.path] if parsed.path else []  # a word that is no flag's value
         if unknown:

@@ -194,8 +194,9 @@ def teacher_sequence(
     calling any other tool the state asks for (navigation-keys: `find key` after a locked door);
     on a routed leg it calls `route` again whenever it holds none (after a key spent the route).
     A share `hint_frac` of turns carries the hint block a self-corrector will see
-    (intervene.format_hint) at the end of the user message, and the teacher does what it says (calls `route` when it holds none), so the policy learns both to
-    follow a hint and, rarely, to call the tool. Agent tokens weigh 1, observation tokens
+    (intervene.format_hint) at the end of the user message, and the teacher does what it says
+    (calls `route` when it holds none), so the policy learns both to follow a hint and, rarely, to
+    call the tool. Agent tokens weigh 1, observation tokens
     `obs_weight` (an auxiliary loss: with actions alone a from-scratch model stalls), hint tokens
     0. A share `evidence_frac` of the hint blocks show the grader's evidence instead of the hint
     (intervene.corrector_note); holding no route, the teacher then copies the path's first move in
