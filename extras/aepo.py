@@ -329,12 +329,18 @@ def aepo_loss(**inputs) -> torch.Tensor:
     return aggregate(terms, inputs["loss_mask"] != 0, config.agg, config.max_len)
 
 
+# the config class of this command and the defaults it sets on rti.py's (none: its config's);
+# extras.compare checks a run's flags with them
+CONFIG = AEPOConfig
+SETTINGS = None
+
+
 def build_parser():
-    return runtime.build_parser(AEPOConfig, prog=PROG)
+    return runtime.build_parser(CONFIG, prog=PROG, defaults=SETTINGS)
 
 
 def main(argv=None) -> None:
-    rti.main(argv, AEPOConfig, AEPO, PROG)
+    rti.main(argv, CONFIG, AEPO, PROG, defaults=SETTINGS)
 
 
 if __name__ == "__main__":

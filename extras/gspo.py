@@ -28,14 +28,16 @@ SETTINGS = {
 }
 
 PROG = "-m extras.gspo"
+# the config class of this command (extras.compare checks a run's flags with it and SETTINGS)
+CONFIG = rti.Config
 
 
 def build_parser():
-    return runtime.build_parser(rti.Config, prog=PROG, defaults=SETTINGS)
+    return runtime.build_parser(CONFIG, prog=PROG, defaults=SETTINGS)
 
 
 def main(argv=None) -> None:
-    rti.main(argv, prog=PROG, defaults=SETTINGS)
+    rti.main(argv, CONFIG, prog=PROG, defaults=SETTINGS)
 
 
 if __name__ == "__main__":

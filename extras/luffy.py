@@ -54,6 +54,9 @@ class LuffyConfig(TeacherConfig):
         require(self, "luffy_teacher_tries", self.luffy_teacher_tries >= 1, "must be >= 1")
 
 
+# the config class of this command and the defaults it sets on rti.py's; extras.compare checks a
+# run's flags with them
+CONFIG = LuffyConfig
 SETTINGS = {"is_mode": "luffy"}
 
 
@@ -106,11 +109,11 @@ class Luffy(rti.Method):
 
 
 def build_parser():
-    return runtime.build_parser(LuffyConfig, prog=PROG, defaults=SETTINGS)
+    return runtime.build_parser(CONFIG, prog=PROG, defaults=SETTINGS)
 
 
 def main(argv=None) -> None:
-    rti.main(argv, LuffyConfig, Luffy, PROG, defaults=SETTINGS)
+    rti.main(argv, CONFIG, Luffy, PROG, defaults=SETTINGS)
 
 
 if __name__ == "__main__":

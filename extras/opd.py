@@ -81,12 +81,18 @@ class OPD(rti.Method):
         return {"teacher/scored_tokens": scored}
 
 
+# the config class of this command and the defaults it sets on rti.py's (none: its config's);
+# extras.compare checks a run's flags with them
+CONFIG = OPDConfig
+SETTINGS = None
+
+
 def build_parser():
-    return runtime.build_parser(OPDConfig, prog=PROG)
+    return runtime.build_parser(CONFIG, prog=PROG, defaults=SETTINGS)
 
 
 def main(argv=None) -> None:
-    rti.main(argv, OPDConfig, OPD, PROG)
+    rti.main(argv, CONFIG, OPD, PROG, defaults=SETTINGS)
 
 
 if __name__ == "__main__":

@@ -323,7 +323,7 @@ def test_a_rerun_comparison_keeps_finished_runs_and_resumes_the_others(tmp_path,
     assert calls[0][calls[0].index("--out") + 1] == str(half)
 
 
-def test_method_settings_reach_their_methods_only(tmp_path):
+def test_method_settings_reach_their_methods_only(tmp_path, capsys):
     """--grpo-lr and --grpo-train-split reach the GRPO methods' runs only (RTI's stay rti.py's),
     --teacher LUFFY's and OPD's only, --baseline-flags its baseline's only; the report's command
     names what is not a default, and a bad value stops before any run."""
@@ -346,24 +346,42 @@ def test_method_settings_reach_their_methods_only(tmp_path):
     assert args.baseline_flags == [gspo, "OPD=--lr 1e-5"]
     assert "--grpo" not in compare.command_line([0], "out") and "--teacher" not in line[:20]
     runs = ["--out", str(tmp_path / "runs")]
+    # (flags, the exit's words, the error the method's own command prints, naming the flag)
     refusals = [
-        (["--grpo-lr", "fast"], "--grpo-lr: must be a number > 0"),
-        (["--grpo-lr", "0"], "--grpo-lr: must be a number > 0"),
-        (["--methods", "GRPO", "RTI", "--teacher", "checkpoints/teacher"], "--teacher: no method"),
-        (["--methods", "OPD", "--teacher", "nowhere"], "--teacher: 'nowhere' holds no model"),
-        (["--methods", "RTI", "--grpo-train-split", "fit"], "--grpo-train-split: no GRPO method"),
-        (["--grpo-train-split", "train-share-0.1"], "--grpo-train-split: 'train-share-0.1' is n"),
-        (["--methods", "GSPO", "--baseline-flags", "GSPO"], "'GSPO' is not NAME=FLAGS"),
-        (["--methods", "GSPO", "--baseline-flags", "RTI=--lr 1"], "'RTI=--lr 1' is not NAME="),
-        (["--methods", "GSPO", "--baseline-flags", "OPD=--lr 1"], "OPD is not in --methods"),
-        (["--methods", "GSPO", "--baseline-flags", "GSPO=--lrr 1"], "GSPO takes no --lrr 1"),
-        (["--methods", "GSPO", "--baseline-flags", "GSPO=", "--baseline-flags", "GSPO="], "twice"),
-        (["--methods", "GSPO", "--baseline-flags", "GSPO=--train-split ood"], "GSPO --train-s"),
+        (["--grpo-lr", "fast"], "GRPO: its runs would stop", "--lr: invalid float value: 'fast'"),
+        (["--grpo-lr", "0"], "GRPO: its runs would stop", "--lr: must be > 0"),
+        (
+            ["--methods", "GRPO", "RTI", "--teacher", "checkpoints/teacher"],
+            "--teacher: no method",
+            "",
+        ),
+        (
+            ["--methods", "OPD", "--teacher", "nowhere"],
+            "OPD: its runs",
+            "--teacher: holds no model",
+        ),
+        (["--methods", "RTI", "--grpo-train-split", "fit"], "--grpo-train-split: no GRPO", ""),
+        (["--grpo-train-split", "train-share-0.1"], "GRPO: its runs", "--train-split: must be a"),
+        (["--methods", "GSPO", "--baseline-flags", "GSPO"], "'GSPO' is not NAME=FLAGS", ""),
+        (["--methods", "GSPO", "--baseline-flags", "RTI=--lr 1"], "'RTI=--lr 1' is not NAME=", ""),
+        (["--methods", "GSPO", "--baseline-flags", "OPD=--lr 1"], "OPD is not in --methods", ""),
+        (["--methods", "GSPO", "--baseline-flags", "GSPO=--lrr 1"], "GSPO: its", "error:"),
+        (
+            ["--methods", "GSPO", "--baseline-flags", "GSPO=", "--baseline-flags", "GSPO="],
+            "twice",
+            "",
+        ),
+        (["--methods", "GSPO", "--baseline-flags", "GSPO=--train-split ood"], "GSPO: its", "ood"),
     ]
-    for flags, message in refusals:
-        with pytest.raises(SystemExit, match=message):
+    for flags, message, error in refusals:
+        with pytest.raises(SystemExit, match=message) as stop:
             compare.main([*flags, *runs])
+        assert error in capsys.readouterr().err
+        # the exit names the run's whole command, the flag that fails it included
+        assert "its runs" not in message or flags[-1].split("=")[-1] in str(stop.value)
     assert not (tmp_path / "runs").exists()
+    for name in compare.CHOICES:  # every method's own flags pass its own command's check
+        compare.check_run(name, [*compare.METHODS.get(name, []), *compare.QUICK])
 
 
 def test_the_warm_start_boundary_is_sampled_once(tmp_path):
