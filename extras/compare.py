@@ -452,7 +452,7 @@ def check_baseline_flags(items: list[str], methods: list[str]) -> None:
     given once (its command checks FLAGS: check_run)."""
     names = [item.partition("=")[0] for item in items]
     for item in items:
-        name, equals, flags = item.partition("=")
+        name, equals, _ = item.partition("=")
         if not equals or name not in BASELINES:
             raise SystemExit(
                 f"--baseline-flags: {item!r} is not NAME=FLAGS, NAME of {list(BASELINES)}"
