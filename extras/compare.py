@@ -195,7 +195,6 @@ def compare(
     """Train each of `methods` (names of METHODS and BASELINES) for every seed from the same warm
     start, with the `settings` chosen for some of them, then write the table (markdown and CSV),
     the beyond-the-boundary counts and the figures under out_dir. Returns the per-run results."""
-    _, _, run_cfg = runtime.parse_args(extra, rti.Config)
     out = Path(out_dir)
     runs = [(name, seed) for seed in seeds for name in methods]
     budget = QUICK if quick else FULL
@@ -213,6 +212,8 @@ def compare(
     for (name, seed), (flags, *_) in zip(runs, work):
         if seed == seeds[0]:
             check_run(name, flags)
+    # the flags after --, as the first method's command reads them (a baseline's own flags too)
+    run_cfg = check_run(methods[0], extra)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with ThreadPoolExecutor(jobs) as pool:
@@ -432,16 +433,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_run(name: str, flags: list[str]) -> None:
-    """Exit unless method `name`'s command accepts `flags`: its own parser and config check them,
-    as its run would, and print the error naming the flag; the exit names the run."""
+def check_run(name: str, flags: list[str]) -> rti.Config:
+    """Method `name`'s config from `flags`, read by its own parser and config as its run would;
+    a flag they refuse prints the error naming it, and the exit names the run."""
     if name in BASELINES:
         module = importlib.import_module(BASELINES[name])
         config, prog, defaults = module.CONFIG, module.PROG, module.SETTINGS
     else:
         config, prog, defaults = rti.Config, "rti.py", None
     try:
-        runtime.parse_args(flags, config, prog=prog, defaults=defaults)
+        return runtime.parse_args(flags, config, prog=prog, defaults=defaults)[2]
     except SystemExit:
         command = " ".join(["python", *program(name), *map(shlex.quote, flags)])
         raise SystemExit(f"{name}: its runs would stop with the error above: {command}") from None

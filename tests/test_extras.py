@@ -379,6 +379,14 @@ def test_method_settings_reach_their_methods_only(tmp_path, capsys):
         assert error in capsys.readouterr().err
         # the exit names the run's whole command, the flag that fails it included
         assert "its runs" not in message or flags[-1].split("=")[-1] in str(stop.value)
+    # the flags after -- go to every run: each method's own command checks them
+    with pytest.raises(SystemExit, match="LUFFY: its runs"):
+        compare.main(["--methods", "LUFFY", *runs, "--", "--luffy-teacher-tries", "0"])
+    assert "--luffy-teacher-tries: must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="GRPO: its runs"):
+        compare.main(["--methods", "LUFFY", "GRPO", *runs, "--", "--luffy-teacher-tries=2"])
+    assert "unrecognized arguments: --luffy-teacher-tries=2" in capsys.readouterr().err
+    assert compare.check_run("LUFFY", ["--luffy-teacher-tries", "2"]).luffy_teacher_tries == 2
     assert not (tmp_path / "runs").exists()
     for name in compare.CHOICES:  # every method's own flags pass its own command's check
         compare.check_run(name, [*compare.METHODS.get(name, []), *compare.QUICK])
