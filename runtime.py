@@ -190,6 +190,23 @@ def flag_fields(cls) -> list[tuple[str | None, dataclasses.Field]]:
     return out
 
 
+def flag_name(field_name: str) -> str:
+    """The command-line flag of a config field: lr_warmup -> --lr-warmup."""
+    return "--" + field_name.replace("_", "-")
+
+
+def unknown_flags(argv: list[str], cls) -> list[str]:
+    """The words of argv before any `--` that are written as a flag (--name or --name=value) but
+    are none of cls's flags (a bool field's --no-name included) nor --help."""
+    known = {"--help"}
+    for _, f in flag_fields(cls):
+        known.add(flag_name(f.name))
+        if f.type in ("bool", bool):
+            known.add(flag_name("no_" + f.name))
+    words = argv[: argv.index("--")] if "--" in argv else argv
+    return [w for w in words if w.startswith("--") and w.partition("=")[0] not in known]
+
+
 def make_config(cls, **flags):
     """A config of class `cls` from flat flag names, as the command line gives them:
     make_config(rti.Config, ppl_max=3, lr=1e-4) sets rti.ppl_max and lr."""
@@ -242,6 +259,7 @@ def build_parser(
         description=(module.__doc__ or "").strip().split("\n")[0],
         usage=f"python {prog} [{' | '.join(commands)}] [MODEL_DIR] [--flag VALUE ...]",
         formatter_class=HelpFormatter,
+        allow_abbrev=False,  # the flags as written: a prefix of one is an unknown flag
     )
     p.add_argument("command", nargs="?", default=commands[0], choices=commands, help="what to run")
     p.add_argument("path", nargs="?", help="a model directory, for the commands that read one")
@@ -255,7 +273,7 @@ def build_parser(
             title = f"{vars(owner).get('FLAG_GROUP', owner.__name__)} ({source_file(owner)})"
         if title not in groups:
             groups[title] = p.add_argument_group(title)
-        flag = "--" + f.name.replace("_", "-")
+        flag = flag_name(f.name)
         help_text = f.metadata.get("help", "")
         if f.type in ("bool", bool):
             groups[title].add_argument(
@@ -279,6 +297,10 @@ def parse_args(argv, cls, commands=("train", "eval"), prog="rti.py", defaults=No
     line; a bad flag exits naming it (each config's validate() words its errors as the flag).
     The directory, if any, becomes --model (a model to evaluate). `defaults`: build_parser's."""
     p = build_parser(cls, commands, prog, defaults)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    unknown = unknown_flags(argv, cls)
+    if unknown:  # named here: argparse would read the word after one as the command, and name it
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
     args = vars(p.parse_args(argv))
     command = args.pop("command")
     path = args.pop("path")

@@ -365,7 +365,11 @@ def test_method_settings_reach_their_methods_only(tmp_path, capsys):
         (["--methods", "GSPO", "--baseline-flags", "GSPO"], "'GSPO' is not NAME=FLAGS", ""),
         (["--methods", "GSPO", "--baseline-flags", "RTI=--lr 1"], "'RTI=--lr 1' is not NAME=", ""),
         (["--methods", "GSPO", "--baseline-flags", "OPD=--lr 1"], "OPD is not in --methods", ""),
-        (["--methods", "GSPO", "--baseline-flags", "GSPO=--lrr 1"], "GSPO: its", "error:"),
+        (
+            ["--methods", "GSPO", "--baseline-flags", "GSPO=--lrr 1"],
+            "GSPO: its",
+            "unrecognized arguments: --lrr",
+        ),
         (
             ["--methods", "GSPO", "--baseline-flags", "GSPO=", "--baseline-flags", "GSPO="],
             "twice",
@@ -384,8 +388,8 @@ def test_method_settings_reach_their_methods_only(tmp_path, capsys):
         compare.main(["--methods", "LUFFY", *runs, "--", "--luffy-teacher-tries", "0"])
     assert "--luffy-teacher-tries: must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="GRPO: its runs"):
-        compare.main(["--methods", "LUFFY", "GRPO", *runs, "--", "--luffy-teacher-tries=2"])
-    assert "unrecognized arguments: --luffy-teacher-tries=2" in capsys.readouterr().err
+        compare.main(["--methods", "LUFFY", "GRPO", *runs, "--", "--luffy-teacher-tries", "2"])
+    assert "unrecognized arguments: --luffy-teacher-tries" in capsys.readouterr().err
     assert compare.check_run("LUFFY", ["--luffy-teacher-tries", "2"]).luffy_teacher_tries == 2
     assert not (tmp_path / "runs").exists()
     for name in compare.CHOICES:  # every method's own flags pass its own command's check

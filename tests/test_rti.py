@@ -521,6 +521,10 @@ def without_times(metrics: dict) -> dict:
         (["--model", "tests"], "--model: must be 'tiny' or a local Hugging Face model directory"),
         (["--init", "/no/such/dir"], "--init: holds no checkpoint (the warm start: python -m"),
         (["--out", "README.md/run"], "--out: cannot be a run folder here"),
+        # an unknown flag is named, not the word after it (argparse would read it as the command)
+        (["--no-such-flag", "2"], "unrecognized arguments: --no-such-flag"),
+        (["--eval-ev", "4"], "unrecognized arguments: --eval-ev"),  # a prefix is not the flag
+        (["--verbose=1"], "unrecognized arguments: --verbose=1"),
     ],
 )
 def test_bad_flags_stop_with_a_message_naming_the_flag(flags, name, capsys):
